@@ -1,0 +1,88 @@
+"""The batch a model forward reads, and who needs ``num_token_non_padded``.
+
+Layout: every request in a batch contributes the same number of rows
+(``tokens_per_req``): 1 for decode, gamma for the DSpark draft block,
+gamma + 1 for target verify, the prompt length for a single-request extend.
+Rows are request-major: row ``b * tokens_per_req + j``.
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from sglang.srt.distributed.parallel_state import get_parallel
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = enum.auto()
+    DECODE = enum.auto()
+    TARGET_VERIFY = enum.auto()
+    IDLE = enum.auto()
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+class CaptureHiddenMode(enum.IntEnum):
+    NULL = enum.auto()  # no hidden states returned
+    LAST = enum.auto()  # the last row of each request
+    FULL = enum.auto()  # every row
+
+    def need_capture(self) -> bool:
+        return self != CaptureHiddenMode.NULL
+
+
+def enable_num_token_non_padded() -> bool:
+    """Only the EP MoE router reads the scalar, so only EP > 1 needs it."""
+    return get_parallel().moe_ep_size > 1
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    tokens_per_req: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot each row writes
+    req_pool_indices: torch.Tensor  # [bs] int64, row of the req->slot table
+    kv_lens: torch.Tensor  # [num_tokens] int64, row attends key positions < this
+    # Real rows; the rest is padding up to a graph bucket. None: mask nothing.
+    num_token_non_padded: Optional[torch.Tensor] = None  # [] int32, on device
+    num_token_non_padded_cpu: int = 0
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    # The pools the attention reads and writes (the draft has its own KV pool).
+    req_to_token_pool: Optional["ReqToTokenPool"] = None
+    token_to_kv_pool: Optional["KVPool"] = None
+
+    def __post_init__(self) -> None:
+        expected = self.batch_size * self.tokens_per_req
+        for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):
+            rows = getattr(self, name).shape[0]
+            if rows != expected:
+                raise ValueError(
+                    f"{name} has {rows} rows, expected batch_size * "
+                    f"tokens_per_req = {expected}"
+                )
+        if self.req_pool_indices.shape[0] != self.batch_size:
+            raise ValueError(
+                f"req_pool_indices has {self.req_pool_indices.shape[0]} rows, "
+                f"expected batch_size = {self.batch_size}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.tokens_per_req
