@@ -3,6 +3,7 @@
 import unittest
 
 import torch
+
 from sglang.srt.distributed.parallel_state import ParallelState, set_parallel
 
 

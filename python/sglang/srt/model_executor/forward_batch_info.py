@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+
 from sglang.srt.distributed.parallel_state import get_parallel
 
 if TYPE_CHECKING:

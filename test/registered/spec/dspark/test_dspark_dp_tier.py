@@ -5,6 +5,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+
 from sglang.srt.distributed.parallel_state import (
     ParallelState,
     get_parallel,

@@ -1,10 +1,23 @@
 """DSpark draft: one forward pass proposes a block of gamma tokens."""
 
 import numbers
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
-from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
+
+from sglang.srt.layers.sampler import sample_tokens
+from sglang.srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    enable_num_token_non_padded,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.models.dspark_draft import DSparkDraftModel
+    from sglang.srt.speculative.dspark.config import DSparkConfig
 
 
 def _make_num_token_non_padded(
@@ -27,3 +40,100 @@ def _make_num_token_non_padded(
     return torch.tensor(int(num_tokens), dtype=torch.int32).to(
         device, non_blocking=True
     )
+
+
+@dataclass(frozen=True)
+class VerifyWindow:
+    """The gamma + 1 positions and KV slots of one verify step."""
+
+    positions: torch.Tensor  # [bs, gamma + 1]: seq_len - 1 .. seq_len - 1 + gamma
+    out_cache_loc: torch.Tensor  # [bs, gamma + 1]
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """Views of the proposer's buffers: valid until the next ``propose``."""
+
+    draft_tokens: torch.Tensor  # [bs, gamma] int64
+    # Markov-corrected logits, the draft distribution q; None when all greedy.
+    draft_logits: Optional[torch.Tensor]  # [bs, gamma, vocab]
+    block_ids: torch.Tensor  # [bs, gamma]: anchor, then mask_token_id
+
+
+class DraftBlockProposer:
+    """Builds the draft block batch, runs it once, samples the block left to
+    right through the Markov head."""
+
+    def __init__(
+        self,
+        *,
+        draft_model: "DSparkDraftModel",
+        draft_runner: "ModelRunner",
+        config: "DSparkConfig",
+        max_batch_size: int,
+        device,
+    ) -> None:
+        self.draft_model, self.draft_runner = draft_model, draft_runner
+        self.gamma, self.device = config.gamma, device
+        self.max_batch_size = max_batch_size
+        shape = (max_batch_size, config.gamma)
+        # Preallocated at the largest batch; propose() fills slices in place.
+        self._block_ids = torch.full(
+            shape, config.mask_token_id, dtype=torch.int64, device=device
+        )
+        self._positions = torch.zeros(shape, dtype=torch.int64, device=device)
+        self._out_cache_loc = torch.zeros(shape, dtype=torch.int64, device=device)
+        self._kv_lens = torch.zeros(shape, dtype=torch.int64, device=device)
+        self._draft_tokens = torch.zeros(shape, dtype=torch.int64, device=device)
+        vocab = draft_model.lm_head.weight.shape[0]
+        self._draft_logits = torch.zeros(shape + (vocab,), device=device)
+
+    def propose(
+        self,
+        *,
+        batch: "ScheduleBatch",
+        window: VerifyWindow,
+        generator: Optional[torch.Generator] = None,
+    ) -> DraftProposal:
+        bs, gamma = batch.batch_size, self.gamma
+        if bs > self.max_batch_size:
+            raise ValueError(
+                f"batch of {bs} exceeds max_batch_size={self.max_batch_size}"
+            )
+        block_ids = self._block_ids[:bs]
+        block_ids[:, 0].copy_(batch.last_ids)  # the anchor is the last bonus token
+        positions = self._positions[:bs]
+        positions.copy_(window.positions[:, :gamma])
+        out_cache_loc = self._out_cache_loc[:bs]
+        out_cache_loc.copy_(window.out_cache_loc[:, :gamma])
+        # Non-causal: every block row sees the context and the whole block.
+        kv_lens = self._kv_lens[:bs]
+        kv_lens.copy_((positions[:, -1:] + 1).expand(bs, gamma))
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            tokens_per_req=gamma,
+            input_ids=block_ids.view(-1),
+            positions=positions.view(-1),
+            out_cache_loc=out_cache_loc.view(-1),
+            req_pool_indices=batch.req_pool_indices,
+            kv_lens=kv_lens.view(-1),
+            num_token_non_padded=_make_num_token_non_padded(bs * gamma, self.device),
+            num_token_non_padded_cpu=bs * gamma,
+        )
+        base = self.draft_runner.forward(forward_batch).logits.view(bs, gamma, -1)
+        tokens, logits = self._draft_tokens[:bs], self._draft_logits[:bs]
+        prev = batch.last_ids
+        for k in range(gamma):  # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)])
+            logits_k = base[:, k] + self.draft_model.markov_correction(prev)
+            tokens[:, k] = sample_tokens(
+                logits=logits_k, temperatures=batch.temperatures, generator=generator
+            )
+            if batch.temperatures is not None:
+                logits[:, k] = logits_k
+            prev = tokens[:, k]
+        return DraftProposal(
+            draft_tokens=tokens,
+            draft_logits=logits if batch.temperatures is not None else None,
+            block_ids=block_ids,
+        )

@@ -1,0 +1,32 @@
+"""Token sampling without a host sync: greedy rows take the argmax, others
+take argmax(probs / Exp(1) noise), which samples from probs."""
+
+from typing import Optional
+
+import torch
+
+
+def sample_tokens(
+    *,
+    logits: torch.Tensor,  # [N, vocab]
+    temperatures: Optional[torch.Tensor],  # [N]; 0 = greedy; None = all greedy
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:  # [N] int64
+    greedy = logits.argmax(dim=-1)
+    if temperatures is None:
+        return greedy
+    probs = temperature_probs(logits, temperatures)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temperatures > 0, sampled, greedy)
+
+
+def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) per row; greedy rows (T = 0) get a one-hot argmax."""
+    # logits: [..., vocab]; temperatures broadcast over the leading dims.
+    t = temperatures.reshape(
+        temperatures.shape + (1,) * (logits.dim() - temperatures.dim())
+    )
+    probs = torch.softmax(logits.float() / t.clamp_min(1e-6), dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.where(t > 0, probs, one_hot)

@@ -1,0 +1,92 @@
+"""Request -> KV slot table, and the target and draft KV pools.
+
+Slot 0 is scratch: padded rows of a graph bucket write there, and row 0 of
+the request table (the dummy request) points only at it, so padding never
+touches a live request's KV.
+"""
+
+from typing import List
+
+import torch
+
+SCRATCH_SLOT = 0
+DUMMY_REQ_INDEX = 0
+
+
+class ReqToTokenPool:
+    """Maps (request row, position) -> KV slot."""
+
+    def __init__(self, *, max_reqs: int, max_context_len: int, device) -> None:
+        if max_reqs < 1 or max_context_len < 1:
+            raise ValueError(
+                f"max_reqs and max_context_len must be >= 1, got "
+                f"{max_reqs}, {max_context_len}"
+            )
+        self.max_context_len = max_context_len
+        # [max_reqs + 1, max_context_len]; row 0 is the dummy request.
+        self.req_to_token = torch.full(
+            (max_reqs + 1, max_context_len),
+            SCRATCH_SLOT,
+            dtype=torch.int64,
+            device=device,
+        )
+        self._free_rows: List[int] = list(range(1, max_reqs + 1))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free request rows")
+        return self._free_rows.pop(0)
+
+    def free(self, row: int) -> None:
+        if row == DUMMY_REQ_INDEX or row in self._free_rows:
+            raise ValueError(f"request row {row} is not allocated")
+        self.req_to_token[row].fill_(SCRATCH_SLOT)
+        self._free_rows.append(row)
+
+
+class TokenSlotAllocator:
+    """A free list of KV slots 1..num_slots (slot 0 is scratch)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: List[int] = list(range(1, num_slots + 1))
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> List[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV slots, {len(self._free)} free")
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: List[int]) -> None:
+        self._free.extend(slots)
+
+
+class KVPool:
+    """Per-layer K and V buffers indexed by slot: [num_layers, slots, heads, dim]."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+    ) -> None:
+        shape = (num_layers, num_slots + 1, num_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # slots: [T]; k, v: [T, heads, dim]
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)

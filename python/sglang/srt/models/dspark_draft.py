@@ -1,0 +1,81 @@
+"""DSpark draft model: one forward over ``[anchor, mask, ...]`` blocks.
+
+Context (hidden states of chosen target layers) is projected by ``fc``,
+RMS-normed and written only as keys/values into the draft's KV cache, at the
+target tokens' slots; it never runs through the draft's MLP. Block queries
+attend the committed context plus their whole block (non-causal). The
+embedding and LM head are the target's own modules, shared.
+"""
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.models.tiny_moe import (
+    ModelOutput,
+    TinyMoEConfig,
+    TinyMoEDecoderLayer,
+    TinyMoEForCausalLM,
+)
+
+
+@dataclass(frozen=True)
+class DSparkDraftConfig:
+    num_layers: int = 1
+    num_experts: int = 4
+    top_k: int = 2
+    target_layer_ids: Tuple[int, ...] = (1, 2)
+    markov_rank: int = 16
+    block_size: int = 5  # gamma the draft was trained with
+    mask_token_id: int = 255
+
+
+class DSparkDraftModel(nn.Module):
+    def __init__(self, config: DSparkDraftConfig, target: TinyMoEForCausalLM) -> None:
+        super().__init__()
+        self.config = config
+        tcfg: TinyMoEConfig = target.config
+        # Shared, not copied: the draft reads the target's own modules.
+        self.embed_tokens = target.embed_tokens
+        self.lm_head = target.lm_head
+        h = tcfg.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.context_norm = RMSNorm(h)
+        self.layers = nn.ModuleList(
+            TinyMoEDecoderLayer(
+                tcfg, i, num_experts=config.num_experts, top_k=config.top_k
+            )
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(h)
+        # Low-rank Markov head: correction(x_prev) = W2(W1[x_prev]).
+        self.markov_w1 = nn.Embedding(tcfg.vocab_size, config.markov_rank)
+        self.markov_w2 = nn.Linear(config.markov_rank, tcfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def write_context(
+        self,
+        *,
+        aux_hidden_states: torch.Tensor,  # [T, n_layers * hidden]
+        forward_batch: ForwardBatch,  # positions and out_cache_loc of those rows
+    ) -> None:
+        context = self.context_norm(self.fc(aux_hidden_states))  # [T, hidden]
+        for layer in self.layers:
+            layer.self_attn.write_kv(forward_batch.positions, context, forward_batch)
+
+    @torch.no_grad()
+    def forward(self, forward_batch: ForwardBatch) -> ModelOutput:
+        positions = forward_batch.positions
+        hidden = self.embed_tokens(forward_batch.input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, forward_batch)
+        return ModelOutput(logits=self.lm_head(self.norm(hidden)))
+
+    @torch.no_grad()
+    def markov_correction(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        # prev_ids: [bs] -> [bs, vocab]
+        return self.markov_w2(self.markov_w1(prev_ids))

@@ -1,0 +1,101 @@
+"""Acceptance: greedy prefix matching and lossless rejection sampling.
+
+Target row i is the target's distribution for the token after verify input
+i, where the inputs are ``[bonus, d_1, ..., d_gamma]``; so draft ``d_j``
+(1-based) is judged by target row ``j - 1``.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.sampler import temperature_probs
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accept_lens: torch.Tensor  # [bs] int64, drafts accepted, 0..gamma
+    bonus_ids: torch.Tensor  # [bs] int64, the token after the accepted drafts
+    # d_1..d_a then the bonus; entries past accept_lens + 1 are junk.
+    output_ids: torch.Tensor  # [bs, gamma + 1]
+
+
+def _leading_run(accepted: torch.Tensor) -> torch.Tensor:
+    # accepted: [bs, gamma] bool per draft -> [bs] length of the leading True run
+    return accepted.long().cumprod(dim=1).sum(dim=1)
+
+
+def _result(draft_tokens, accept_lens, bonus) -> VerifyResult:
+    output_ids = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
+    output_ids.scatter_(1, accept_lens.unsqueeze(1), bonus.unsqueeze(1))
+    return VerifyResult(accept_lens=accept_lens, bonus_ids=bonus, output_ids=output_ids)
+
+
+def greedy_verify(
+    *,
+    draft_tokens: torch.Tensor,  # [bs, gamma]
+    target_logits: torch.Tensor,  # [bs, gamma + 1, vocab]
+) -> VerifyResult:
+    target = target_logits.argmax(dim=-1)  # [bs, gamma + 1]
+    accept_lens = _leading_run(draft_tokens == target[:, :-1])
+    bonus = target.gather(1, accept_lens.unsqueeze(1)).squeeze(1)
+    return _result(draft_tokens, accept_lens, bonus)
+
+
+def rejection_verify(
+    *,
+    draft_tokens: torch.Tensor,  # [bs, gamma]
+    draft_probs: torch.Tensor,  # [bs, gamma, vocab], q
+    target_probs: torch.Tensor,  # [bs, gamma + 1, vocab], p
+    generator: Optional[torch.Generator] = None,
+) -> VerifyResult:
+    bs, gamma = draft_tokens.shape
+    idx = draft_tokens.unsqueeze(-1)
+    q = draft_probs.gather(2, idx).squeeze(-1)  # [bs, gamma]
+    p = target_probs[:, :gamma].gather(2, idx).squeeze(-1)
+    u = torch.rand((bs, gamma), generator=generator, device=draft_tokens.device)
+    accept_lens = _leading_run(u * q < p)
+    # The bonus comes from normalize(max(p - q, 0)) at the first rejection,
+    # or from the last target row when every draft is accepted.
+    residual = (target_probs[:, :gamma] - draft_probs).clamp_min(0)
+    residual = torch.cat([residual, target_probs[:, gamma:]], dim=1)
+    at = accept_lens.view(bs, 1, 1).expand(bs, 1, residual.shape[-1])
+    row = residual.gather(1, at).squeeze(1)  # [bs, vocab]
+    fallback = target_probs.gather(1, at).squeeze(1)
+    # p == q leaves no residual mass; then rejection cannot happen, keep p.
+    row = torch.where(row.sum(-1, keepdim=True) > 0, row, fallback)
+    noise = torch.empty_like(row).exponential_(generator=generator)
+    bonus = (row / row.sum(-1, keepdim=True) / noise).argmax(dim=-1)
+    return _result(draft_tokens, accept_lens, bonus)
+
+
+def verify(
+    *,
+    draft_tokens: torch.Tensor,  # [bs, gamma]
+    draft_logits: Optional[torch.Tensor],  # [bs, gamma, vocab]; None if all greedy
+    target_logits: torch.Tensor,  # [bs, gamma + 1, vocab]
+    temperatures: Optional[torch.Tensor],  # [bs]; None = all greedy
+    generator: Optional[torch.Generator] = None,
+) -> VerifyResult:
+    """Greedy rows (temperature 0) match prefixes; the others rejection-sample."""
+    greedy = greedy_verify(draft_tokens=draft_tokens, target_logits=target_logits)
+    if temperatures is None:
+        return greedy
+    if draft_logits is None:
+        raise ValueError("sampling requests need the draft logits (q)")
+    t = temperatures.unsqueeze(1)  # [bs, 1]
+    sampled = rejection_verify(
+        draft_tokens=draft_tokens,
+        draft_probs=temperature_probs(draft_logits, t),
+        target_probs=temperature_probs(target_logits, t),
+        generator=generator,
+    )
+    is_greedy = temperatures == 0
+    return VerifyResult(
+        accept_lens=torch.where(is_greedy, greedy.accept_lens, sampled.accept_lens),
+        bonus_ids=torch.where(is_greedy, greedy.bonus_ids, sampled.bonus_ids),
+        output_ids=torch.where(
+            is_greedy.unsqueeze(1), greedy.output_ids, sampled.output_ids
+        ),
+    )

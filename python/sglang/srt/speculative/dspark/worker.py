@@ -1,0 +1,127 @@
+"""DSparkWorker: prefill, and the decode step in DSpark order.
+
+window -> propose -> verify -> accept -> commit (target hidden -> draft KV)
+-> next input (bonus, new seq len). Rejected drafts need no rollback: their
+slots lie past the new sequence length and are overwritten next step.
+"""
+
+from dataclasses import replace
+
+import torch
+
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, StepOutput
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.models.dspark_draft import DSparkDraftModel
+from sglang.srt.speculative.dspark.config import DSparkConfig
+from sglang.srt.speculative.dspark.draft import (
+    DraftBlockProposer,
+    VerifyWindow,
+    _make_num_token_non_padded,
+)
+from sglang.srt.speculative.dspark.verify import verify
+
+
+class DSparkWorker:
+    def __init__(
+        self,
+        *,
+        target_worker: TpModelWorker,
+        draft_model: DSparkDraftModel,
+        draft_runner: ModelRunner,
+        config: DSparkConfig,
+        max_batch_size: int,
+        use_graphs: bool = True,
+    ) -> None:
+        self.target_worker = target_worker
+        self.draft_model, self.draft_runner = draft_model, draft_runner
+        self.config, self.gamma = config, config.gamma
+        self.device = target_worker.device
+        self.generator = target_worker.generator
+        self.req_to_token = target_worker.req_to_token
+        target_worker.model.set_layers_to_capture(config.target_layer_ids)
+        if use_graphs:
+            target_worker.model_runner.add_graph_runner(
+                forward_mode=ForwardMode.TARGET_VERIFY,
+                tokens_per_req=self.gamma + 1,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+            )
+            draft_runner.add_graph_runner(
+                forward_mode=ForwardMode.TARGET_VERIFY, tokens_per_req=self.gamma
+            )
+        self.proposer = DraftBlockProposer(
+            draft_model=draft_model,
+            draft_runner=draft_runner,
+            config=config,
+            max_batch_size=max_batch_size,
+            device=self.device,
+        )
+        self._offsets = torch.arange(self.gamma + 1, device=self.device) - 1
+
+    def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
+        # Target hidden states of these rows become the draft's context KV.
+        self.draft_model.write_context(
+            aux_hidden_states=aux_hidden_states,
+            forward_batch=replace(
+                forward_batch, token_to_kv_pool=self.draft_runner.token_to_kv_pool
+            ),
+        )
+
+    def prefill(self, *, req: Req) -> int:
+        first, out, forward_batch = self.target_worker.forward_prefill(
+            req=req, capture_hidden=True
+        )
+        self._commit_to_draft(out.aux_hidden_states, forward_batch)
+        return first
+
+    def window(self, batch: ScheduleBatch) -> VerifyWindow:
+        positions = batch.seq_lens.unsqueeze(1) + self._offsets  # [bs, gamma + 1]
+        slots = self.req_to_token[batch.req_pool_indices.unsqueeze(1), positions]
+        return VerifyWindow(positions=positions, out_cache_loc=slots)
+
+    def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
+        bs, gamma = batch.batch_size, self.gamma
+        window = self.window(batch)
+        proposal = self.proposer.propose(
+            batch=batch, window=window, generator=self.generator
+        )
+        verify_ids = torch.cat(
+            [batch.last_ids.unsqueeze(1), proposal.draft_tokens], dim=1
+        )  # [bs, gamma + 1]: bonus, d_1..d_gamma
+        rows = bs * (gamma + 1)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            tokens_per_req=gamma + 1,
+            input_ids=verify_ids.view(-1),
+            positions=window.positions.view(-1),
+            out_cache_loc=window.out_cache_loc.view(-1),
+            req_pool_indices=batch.req_pool_indices,
+            kv_lens=window.positions.view(-1) + 1,  # causal
+            num_token_non_padded=_make_num_token_non_padded(rows, self.device),
+            num_token_non_padded_cpu=rows,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        out = self.target_worker.model_runner.forward(forward_batch)
+        result = verify(
+            draft_tokens=proposal.draft_tokens,
+            draft_logits=proposal.draft_logits,
+            target_logits=out.logits.view(bs, gamma + 1, -1),
+            temperatures=batch.temperatures,
+            generator=self.generator,
+        )
+        # Commit every row: rows past the accepted ones are overwritten next step.
+        self._commit_to_draft(out.aux_hidden_states, forward_batch)
+        batch.seq_lens.add_(result.accept_lens + 1)
+        batch.last_ids.copy_(result.bonus_ids)
+        accept_lens = result.accept_lens.tolist()
+        output_ids = result.output_ids.tolist()
+        return StepOutput(
+            output_ids=[ids[: a + 1] for ids, a in zip(output_ids, accept_lens)],
+            accepted_drafts=accept_lens,
+        )
