@@ -1,7 +1,7 @@
 """The offline engine: ``Engine(...).generate(input_ids=..., sampling_params=...)``."""
 
 import itertools
-from typing import Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -95,9 +95,12 @@ class Engine:
         *,
         input_ids: List[List[int]],
         sampling_params: Optional[Union[Dict, List[Dict]]] = None,
-        progress=None,
+        progress: Optional[Callable[[int], None]] = None,
     ) -> List[Dict]:
         """One dict per request: ``output_ids`` and ``meta_info``.
+
+        ``progress``, when given, is called after every step with the number
+        of tokens that step committed.
 
         Every request is validated before any runs: a bad one raises
         ValueError naming it, and nothing is queued.
@@ -115,11 +118,11 @@ class Engine:
         else:
             params = [sampling_params or {}] * len(input_ids)
         reqs = []
-        for ids, p in zip(input_ids, params):
+        for i, (ids, p) in enumerate(zip(input_ids, params)):
             try:
                 sp = SamplingParams(**p)
-            except TypeError as e:
-                raise ValueError(f"bad sampling_params {p!r}: {e}") from None
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"input {i}: bad sampling_params {p!r}: {e}") from None
             reqs.append(
                 Req(
                     rid=next(self._rids), origin_input_ids=list(ids), sampling_params=sp
@@ -134,10 +137,13 @@ class Engine:
                 raise ValueError(f"input {i}: {e}") from None
         for req in reqs:
             scheduler.add_request(req)
+        committed = 0
         while scheduler.has_work():
-            done = scheduler.step()
+            scheduler.step()
             if progress is not None:
-                progress(done)
+                now = sum(len(r.output_ids) for r in reqs)
+                progress(now - committed)
+                committed = now
         return [self._result(r) for r in reqs]
 
     def _result(self, req: Req) -> Dict:

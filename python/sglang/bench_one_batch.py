@@ -1,0 +1,142 @@
+"""Decode throughput of DSpark vs plain decoding, measured in one run.
+
+    python -m sglang.bench_one_batch --batch-size 1 8 --input-len 64 --output-len 64
+
+For each batch size both engines decode the same random prompts; printed per
+batch size: decode tokens/s and mean step time of each, their ratio, DSpark's
+mean accepted length (tokens per verify step), and whether DSpark's greedy
+output equals plain greedy output token for token (it must).
+"""
+
+import argparse
+import json
+import random
+import sys
+from typing import Dict, List
+
+from tqdm import tqdm
+
+from sglang.srt.entrypoints.engine import Engine
+
+
+def _decode(engine: Engine, prompts, params, desc: str) -> Dict:
+    """Warm up once, then run and read the engine's decode-step timings."""
+    engine.generate(input_ids=prompts, sampling_params=dict(params, max_new_tokens=4))
+    engine.scheduler.decode_step_times.clear()
+    total = len(prompts) * params["max_new_tokens"]
+    with tqdm(total=total, desc=desc, unit="tok", leave=False, file=sys.stderr) as bar:
+        outs = engine.generate(
+            input_ids=prompts, sampling_params=params, progress=bar.update
+        )
+    steps = engine.scheduler.decode_step_times
+    # The first token of each request comes from prefill, not a decode step.
+    decode_tokens = sum(o["meta_info"]["completion_tokens"] - 1 for o in outs)
+    verify_ct = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    return {
+        "output_ids": [o["output_ids"] for o in outs],
+        "decode_steps": len(steps),
+        "mean_step_ms": 1e3 * sum(steps) / max(len(steps), 1),
+        "decode_tokens_per_s": decode_tokens / sum(steps) if steps else 0.0,
+        # Committed tokens per verify step, before truncation at max_new_tokens.
+        "accept_length": (
+            sum(
+                o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
+                for o in outs
+            )
+            / verify_ct
+            if verify_ct
+            else 0.0
+        ),
+    }
+
+
+def run(args: argparse.Namespace) -> List[Dict]:
+    rng = random.Random(args.seed)
+    common = dict(
+        model_path=args.model_path,
+        device=args.device,
+        random_seed=args.seed,
+        max_running_requests=max(args.batch_size),
+        disable_cuda_graph=args.disable_cuda_graph,
+    )
+    plain = Engine(speculative_algorithm=None, **common)
+    dspark = Engine(
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=args.gamma,
+        **common,
+    )
+    vocab = plain.vocab_size
+    params = {"max_new_tokens": args.output_len, "temperature": args.temperature}
+    rows = []
+    for bs in args.batch_size:
+        prompts = [
+            [rng.randrange(vocab - 1) for _ in range(args.input_len)] for _ in range(bs)
+        ]
+        base = _decode(plain, prompts, params, f"plain bs={bs}")
+        spec = _decode(dspark, prompts, params, f"dspark bs={bs}")
+        rows.append(
+            {
+                "batch_size": bs,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "temperature": args.temperature,
+                "gamma": dspark.dspark_config.gamma,
+                "device": plain.server_args.device,
+                "cuda_graph": plain.server_args.use_cuda_graph,
+                "plain_tokens_per_s": base["decode_tokens_per_s"],
+                "plain_mean_step_ms": base["mean_step_ms"],
+                "dspark_tokens_per_s": spec["decode_tokens_per_s"],
+                "dspark_mean_step_ms": spec["mean_step_ms"],
+                "speedup": spec["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+                "accept_length": spec["accept_length"],
+                "greedy_output_equal": (
+                    base["output_ids"] == spec["output_ids"]
+                    if args.temperature == 0
+                    else None
+                ),
+            }
+        )
+        print(_format(rows[-1]), flush=True)
+    return rows
+
+
+def _format(r: Dict) -> str:
+    equal = r["greedy_output_equal"]
+    return (
+        f"bs={r['batch_size']:<3} plain {r['plain_tokens_per_s']:8.1f} tok/s "
+        f"({r['plain_mean_step_ms']:.3f} ms/step) | dspark "
+        f"{r['dspark_tokens_per_s']:8.1f} tok/s ({r['dspark_mean_step_ms']:.3f} "
+        f"ms/step) | dspark/plain {r['speedup']:.3f}x | accept length "
+        f"{r['accept_length']:.2f} | greedy equal: "
+        f"{'n/a (sampling)' if equal is None else equal}"
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--gamma", type=int, default=None, help="default: the draft's")
+    p.add_argument("--model-path", default=None, help="default: embedded tiny-moe")
+    p.add_argument("--device", default=None, help="default: cuda when present")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    for name in ("input_len", "output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.batch_size) < 1:
+        p.error("--batch-size values must be >= 1")
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if all(r["greedy_output_equal"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

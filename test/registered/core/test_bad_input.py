@@ -1,0 +1,133 @@
+"""Bad input fails fast with a ValueError naming the value; a rejected
+request never changes the others' outputs."""
+
+import unittest
+
+from sglang import Engine
+from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.speculative.dspark.config import DSparkConfig
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+
+GOOD = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+PARAMS = {"max_new_tokens": 12}
+
+
+class TestBadRequests(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.engine = Engine(
+            speculative_algorithm="DSPARK",
+            device="cpu",
+            context_length=64,
+            max_total_tokens=256,
+        )
+        cls.expected = [
+            o["output_ids"]
+            for o in Engine(speculative_algorithm="DSPARK", device="cpu").generate(
+                input_ids=GOOD, sampling_params=PARAMS
+            )
+        ]
+
+    def _assert_good_unchanged(self):
+        outs = self.engine.generate(input_ids=GOOD, sampling_params=PARAMS)
+        self.assertEqual([o["output_ids"] for o in outs], self.expected)
+
+    def test_each_bad_request(self):
+        cases = [
+            ([], PARAMS, "input_ids is empty"),
+            ([1, -1], PARAMS, "token id -1"),
+            ([1, 256], PARAMS, "token id 256"),
+            ([1, 2.5], PARAMS, "token id 2.5"),
+            ([1] * 60, PARAMS, "exceeds the KV capacity 64"),
+            ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be an int > 0, got 0"),
+            ([1, 2], {"max_new_tokens": -3}, "got -3"),
+            ([1, 2], {"max_new_tokens": 2.0}, "got 2.0"),
+            ([1, 2], {"temperature": -0.5}, "temperature .* got -0.5"),
+            ([1, 2], {"top_q": 1}, "top_q"),
+        ]
+        for ids, params, needle in cases:
+            with self.subTest(ids=ids[:3], params=params):
+                batch = GOOD[:1] + [ids] + GOOD[1:]
+                per_req = [PARAMS, params, PARAMS, PARAMS]
+                with self.assertRaisesRegex(ValueError, needle) as ctx:
+                    self.engine.generate(input_ids=batch, sampling_params=per_req)
+                self.assertIn("input 1", str(ctx.exception))
+                self.assertFalse(self.engine.scheduler.has_work())
+        self._assert_good_unchanged()
+
+    def test_malformed_call(self):
+        with self.assertRaisesRegex(ValueError, "list of token-id lists"):
+            self.engine.generate(input_ids=[1, 2, 3])
+        with self.assertRaisesRegex(ValueError, "2 sampling_params for 3 requests"):
+            self.engine.generate(input_ids=GOOD, sampling_params=[PARAMS, PARAMS])
+
+    def test_rejected_mid_flight_leaves_running_requests_alone(self):
+        sched = self.engine.scheduler
+        reqs = [
+            Req(rid=100 + i, origin_input_ids=ids, sampling_params=SamplingParams(12))
+            for i, ids in enumerate(GOOD)
+        ]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()
+        sched.step()  # running, part-way through decoding
+        with self.assertRaisesRegex(ValueError, "token id 999"):
+            sched.add_request(
+                Req(rid=200, origin_input_ids=[999], sampling_params=SamplingParams())
+            )
+        while sched.has_work():
+            sched.step()
+        self.assertEqual([r.output_ids for r in reqs], self.expected)
+
+
+class TestBadConfig(CustomTestCase):
+    def _config(self, **changes):
+        base = dict(
+            gamma=4,
+            mask_token_id=255,
+            markov_rank=16,
+            target_layer_ids=(1, 2),
+            vocab_size=256,
+            num_target_layers=4,
+        )
+        base.update(changes)
+        return DSparkConfig(**base)
+
+    def test_valid(self):
+        self.assertEqual(self._config().gamma, 4)
+
+    def test_each_bad_value(self):
+        cases = [
+            ({"gamma": 0}, "gamma must be an int >= 1, got 0"),
+            ({"gamma": 2.0}, "gamma .* got 2.0"),
+            ({"mask_token_id": 256}, "mask_token_id .* got 256"),
+            ({"mask_token_id": -1}, "mask_token_id .* got -1"),
+            ({"markov_rank": 0}, "markov_rank .* got 0"),
+            ({"target_layer_ids": ()}, r"target_layer_ids .* got \(\)"),
+            ({"target_layer_ids": (2, 1)}, r"got \(2, 1\)"),
+            ({"target_layer_ids": (1, 1)}, r"got \(1, 1\)"),
+            ({"target_layer_ids": (1, 3)}, r"never the last layer.*got \(1, 3\)"),
+            ({"target_layer_ids": (-1, 2)}, r"got \(-1, 2\)"),
+        ]
+        for changes, needle in cases:
+            with self.subTest(**changes):
+                with self.assertRaisesRegex(ValueError, needle):
+                    self._config(**changes)
+
+    def test_engine_arguments(self):
+        for kwargs, needle in (
+            ({"speculative_num_draft_tokens": 0}, "gamma must be an int >= 1, got 0"),
+            ({"max_running_requests": 0}, "max_running_requests .* got 0"),
+            ({"context_length": 10_000}, "context_length=10000"),
+            ({"cuda_graph_bs": [1, 64]}, "cuda_graph_bs"),
+        ):
+            with self.subTest(**kwargs):
+                with self.assertRaisesRegex(ValueError, needle):
+                    Engine(speculative_algorithm="DSPARK", device="cpu", **kwargs)
+
+
+if __name__ == "__main__":
+    unittest.main()

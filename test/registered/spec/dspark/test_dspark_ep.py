@@ -1,0 +1,165 @@
+"""Expert parallelism over real torch.distributed groups (gloo, 2 ranks).
+
+Each rank holds half the experts; the draft and verify batches carry the
+int32 scalar, padded rows are masked so no rank computes them, and the
+greedy output equals the single-process run.
+"""
+
+import json
+import os
+import socket
+import tempfile
+import unittest
+from datetime import timedelta
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglang import Engine
+from sglang.srt.distributed.parallel_state import init_parallel_from_distributed
+from sglang.srt.layers.moe.ep_moe import EPMoE
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=30, suite="base-a-test-cpu")
+
+PREDICATE = "sglang.srt.speculative.dspark.draft.enable_num_token_non_padded"
+PROMPTS = [[7, 3, 9, 1], [4, 4, 8], [12, 50, 2, 77, 5]]
+PARAMS = {"max_new_tokens": 10}
+ENGINE_ARGS = dict(
+    speculative_algorithm="DSPARK",
+    device="cpu",
+    random_seed=0,
+    max_running_requests=4,
+    cuda_graph_bs=[1, 2, 4],  # 3 requests pad to 4: padded rows exist
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _count_expert_rows(engine) -> list:
+    """Patch every MoE's experts to count the rows they compute."""
+    rows = [0]
+    for model in (engine.worker.target_worker.model, engine.worker.draft_model):
+        for module in model.modules():
+            if isinstance(module, EPMoE):
+                original = module._expert
+
+                def counted(e, x, original=original):
+                    rows[0] += x.shape[0]
+                    return original(e, x)
+
+                module._expert = counted
+    return rows
+
+
+def _run(engine) -> dict:
+    scalars = {"draft": [], "verify": []}
+    for name, runner in (
+        ("draft", engine.worker.proposer.draft_runner),
+        ("verify", engine.worker.target_worker.model_runner),
+    ):
+        original = runner.forward
+
+        def spy(fb, name=name, original=original):
+            if fb.forward_mode.is_target_verify():
+                value = fb.num_token_non_padded
+                scalars[name].append(
+                    None if value is None else [str(value.dtype), int(value)]
+                )
+            return original(fb)
+
+        runner.forward = spy
+    rows = _count_expert_rows(engine)
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    return {
+        "output_ids": [o["output_ids"] for o in outs],
+        "scalars": scalars,
+        "expert_rows": rows[0],
+    }
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),  # a dead rank ends the run, never hangs it
+    )
+    try:
+        state = init_parallel_from_distributed(timeout_s=60)
+        engine = Engine(**ENGINE_ARGS)
+        result = _run(engine)
+        moe = engine.worker.draft_model.layers[0].mlp
+        result.update(
+            moe_ep_size=state.moe_ep_size,
+            local_experts=moe.num_local,
+            first_local=moe.first_local,
+        )
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+class TestDSparkExpertParallel(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.spawn(_rank_main, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+            cls.ranks = []
+            for r in range(2):
+                with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                    cls.ranks.append(json.load(f))
+        cls.single = _run(Engine(**ENGINE_ARGS))
+        # One process, but with the scalar forced on, as EP would have it.
+        with mock.patch(PREDICATE, return_value=True):
+            cls.single_masked = _run(Engine(**ENGINE_ARGS))
+
+    def test_experts_split_over_ranks(self):
+        self.assertEqual([r["moe_ep_size"] for r in self.ranks], [2, 2])
+        self.assertEqual([r["local_experts"] for r in self.ranks], [2, 2])
+        self.assertEqual([r["first_local"] for r in self.ranks], [0, 2])
+
+    def test_single_process_builds_no_scalar(self):
+        for name in ("draft", "verify"):
+            self.assertTrue(self.single["scalars"][name])
+            self.assertEqual(set(map(str, self.single["scalars"][name])), {"None"})
+
+    def test_ep_batches_carry_the_int32_scalar(self):
+        gamma = 5
+        for rank in self.ranks:
+            draft, verify = rank["scalars"]["draft"], rank["scalars"]["verify"]
+            self.assertEqual(len(draft), len(self.single["scalars"]["draft"]))
+            for dtype, value in draft:
+                self.assertEqual(dtype, "torch.int32")
+                self.assertIn(value, [bs * gamma for bs in (1, 2, 3)])
+            for dtype, value in verify:
+                self.assertEqual(dtype, "torch.int32")
+                self.assertIn(value, [bs * (gamma + 1) for bs in (1, 2, 3)])
+            self.assertEqual(draft[0][1], 3 * gamma)  # all three running, padded to 4
+
+    def test_padded_rows_reach_no_expert(self):
+        # Every (row, expert) pair is computed on exactly one rank, padded rows
+        # on none: the ranks together match a masked single-process run, and
+        # compute fewer rows than the unmasked one.
+        total = sum(r["expert_rows"] for r in self.ranks)
+        self.assertEqual(total, self.single_masked["expert_rows"])
+        self.assertLess(total, self.single["expert_rows"])
+        self.assertEqual(self.single_masked["output_ids"], self.single["output_ids"])
+
+    def test_greedy_output_equals_single_process(self):
+        for rank in self.ranks:
+            self.assertEqual(rank["output_ids"], self.single["output_ids"])
+
+
+if __name__ == "__main__":
+    unittest.main()

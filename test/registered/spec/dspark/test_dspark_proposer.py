@@ -1,0 +1,159 @@
+"""DraftBlockProposer: block layout, shapes, and num_token_non_padded at its call site."""
+
+import unittest
+from unittest import mock
+
+import torch
+
+from sglang import Engine
+from sglang.srt.distributed.parallel_state import ParallelState, set_parallel
+from sglang.srt.managers.schedule_batch import Req, SamplingParams, ScheduleBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+register_cuda_ci(est_time=20, stage="stage-b", runner_config="1-gpu-large")
+
+PREDICATE = "sglang.srt.speculative.dspark.draft.enable_num_token_non_padded"
+
+
+class TestDraftBlockProposer(CustomTestCase):
+    device = "cpu"
+
+    def setUp(self):
+        super().setUp()
+        # bs=3 pads to the 4 bucket, so padded rows exist in every draft run.
+        self.engine = Engine(
+            speculative_algorithm="DSPARK",
+            device=self.device,
+            random_seed=0,
+            max_running_requests=8,
+            cuda_graph_bs=[1, 2, 4, 8],
+        )
+        self.worker = self.engine.worker
+        self.proposer = self.worker.proposer
+        self.gamma = self.engine.dspark_config.gamma
+        self.mask_id = self.engine.dspark_config.mask_token_id
+        self.seen = []  # the draft ForwardBatches the proposer built
+        runner = self.proposer.draft_runner
+        original = runner.forward
+
+        self.base_logits = []  # what the draft forward returned
+
+        def spy(forward_batch):
+            self.seen.append(forward_batch)
+            out = original(forward_batch)
+            self.base_logits.append(out.logits.clone())
+            return out
+
+        runner.forward = spy
+
+    def _propose(self, batch):
+        window = self.worker.window(batch)
+        proposal = self.proposer.propose(batch=batch, window=window)
+        return window, proposal
+
+    def test_block_layout_and_shapes(self):
+        batch = self._make_batch()
+        window, proposal = self._propose(batch)
+        bs, gamma = batch.batch_size, self.gamma
+        self.assertEqual(proposal.draft_tokens.shape, (bs, gamma))
+        self.assertEqual(proposal.block_ids.shape, (bs, gamma))
+        self.assertEqual(proposal.block_ids[:, 0].tolist(), batch.last_ids.tolist())
+        self.assertTrue(bool((proposal.block_ids[:, 1:] == self.mask_id).all()))
+        self.assertIsNone(proposal.draft_logits)  # all greedy
+        fb = self.seen[-1]
+        self.assertEqual(fb.forward_mode, ForwardMode.TARGET_VERIFY)
+        self.assertEqual(fb.tokens_per_req, gamma)
+        seq = batch.seq_lens.tolist()
+        for b in range(bs):
+            rows = slice(b * gamma, (b + 1) * gamma)
+            self.assertEqual(
+                fb.positions[rows].tolist(), list(range(seq[b] - 1, seq[b] - 1 + gamma))
+            )
+            # Non-causal: every block row sees the context and the whole block.
+            self.assertEqual(fb.kv_lens[rows].tolist(), [seq[b] - 1 + gamma] * gamma)
+            self.assertEqual(
+                fb.out_cache_loc[rows].tolist(),
+                window.out_cache_loc[b, :gamma].tolist(),
+            )
+        self.assertTrue(bool((proposal.draft_tokens >= 0).all()))
+        self.assertTrue(bool((proposal.draft_tokens < self.engine.vocab_size).all()))
+
+    def test_sampling_keeps_corrected_logits(self):
+        batch = self._make_batch(temperatures=(0.0, 0.7, 1.0))
+        _, proposal = self._propose(batch)
+        logits = proposal.draft_logits
+        self.assertEqual(logits.shape, (3, self.gamma, self.engine.vocab_size))
+        # Greedy row: each draft token is the argmax of its corrected logits.
+        self.assertEqual(
+            proposal.draft_tokens[0].tolist(), logits[0].argmax(-1).tolist()
+        )
+        # Corrected = the draft forward's logits + W2(W1[previous token]),
+        # the previous token being the anchor for slot 0.
+        draft = self.engine.worker.draft_model
+        base = self.base_logits[-1].view(3, self.gamma, -1)
+        prev = torch.cat(
+            [batch.last_ids.unsqueeze(1), proposal.draft_tokens[:, :-1]], 1
+        )
+        for b in range(3):
+            expected = base[b] + draft.markov_correction(prev[b])
+            torch.testing.assert_close(logits[b], expected, rtol=1e-5, atol=1e-5)
+        self.assertGreater(float(draft.markov_correction(prev[0]).abs().max()), 0.1)
+
+    def test_scalar_none_on_ep1_int32_on_ep_gt1_tokens_identical(self):
+        batch = self._make_batch()
+        bs = batch.batch_size
+        _, off = self._propose(batch)
+        tokens_off = off.draft_tokens.clone()
+        self.assertIsNone(self.seen[-1].num_token_non_padded)
+        self.assertEqual(self.seen[-1].num_token_non_padded_cpu, bs * self.gamma)
+
+        # EP size 2 set explicitly: the predicate turns on at the call site.
+        set_parallel(ParallelState(moe_ep_size=2, moe_ep_rank=0))
+        _, on = self._propose(batch)
+        scalar = self.seen[-1].num_token_non_padded
+        self.assertEqual(scalar.dtype, torch.int32)
+        self.assertEqual(scalar.device.type, torch.device(self.device).type)
+        self.assertEqual(int(scalar), bs * self.gamma)
+        self.assertEqual(self.seen[-1].num_token_non_padded_cpu, bs * self.gamma)
+        # The scalar masks only padded rows: real rows' arithmetic is unchanged.
+        self.assertEqual(on.draft_tokens.tolist(), tokens_off.tolist())
+
+        set_parallel(ParallelState())
+        with mock.patch(PREDICATE, return_value=True):
+            _, patched = self._propose(batch)
+        self.assertEqual(int(self.seen[-1].num_token_non_padded), bs * self.gamma)
+        self.assertEqual(patched.draft_tokens.tolist(), tokens_off.tolist())
+
+    def test_batch_over_capacity_is_an_error(self):
+        batch = self._make_batch()
+        self.proposer.max_batch_size = 2
+        with self.assertRaisesRegex(ValueError, "max_batch_size=2"):
+            self._propose(batch)
+
+    def _make_batch(self, temperatures=(0.0, 0.0, 0.0)) -> ScheduleBatch:
+        sched = self.engine.scheduler
+        reqs = [
+            Req(
+                rid=i,
+                origin_input_ids=[5 + i, 9, 17 + 3 * i, 2, 40][: 2 + i],
+                sampling_params=SamplingParams(max_new_tokens=20, temperature=t),
+            )
+            for i, t in enumerate(temperatures)
+        ]
+        for r in reqs:
+            sched.add_request(r)
+        sched._admit()  # allocates KV and prefills: the draft context is written
+        self.assertEqual(len(sched.waiting), 0)
+        return ScheduleBatch.from_reqs(reqs, self.engine.worker.device)
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+class TestDraftBlockProposerCUDA(TestDraftBlockProposer):
+    device = "cuda"
+
+
+if __name__ == "__main__":
+    unittest.main()
