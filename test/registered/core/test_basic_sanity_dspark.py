@@ -13,7 +13,7 @@ from typing import Callable, Dict, List
 import torch
 
 from sglang import Engine
-from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.speculative.dspark.draft import DraftProposal
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase

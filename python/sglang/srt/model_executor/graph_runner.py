@@ -100,7 +100,9 @@ class GraphRunner:
         )
 
     def _capture(self, bs: int, with_scalar: bool) -> None:
-        # Static buffers hold dummy rows here, so capture writes only scratch.
+        # At construction the buffers hold dummy rows, so capture writes only
+        # scratch. A lazy capture from run() holds the real batch: its warm-up
+        # writes the same KV values the replay then writes again.
         batch = self._padded_batch(bs, with_scalar)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -61,7 +61,12 @@ class DSparkWorker:
             max_batch_size=max_batch_size,
             device=self.device,
         )
-        self._offsets = torch.arange(self.gamma + 1, device=self.device) - 1
+        # Per-step buffers, allocated once at the largest batch.
+        shape, dev = (max_batch_size, self.gamma + 1), self.device
+        self._offsets = torch.arange(self.gamma + 1, device=dev) - 1
+        self._positions = torch.zeros(shape, dtype=torch.int64, device=dev)
+        self._kv_lens = torch.zeros(shape, dtype=torch.int64, device=dev)
+        self._verify_ids = torch.zeros(shape, dtype=torch.int64, device=dev)
 
     def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
         # Target hidden states of these rows become the draft's context KV.
@@ -80,7 +85,8 @@ class DSparkWorker:
         return first
 
     def window(self, batch: ScheduleBatch) -> VerifyWindow:
-        positions = batch.seq_lens.unsqueeze(1) + self._offsets  # [bs, gamma + 1]
+        positions = self._positions[: batch.batch_size]  # [bs, gamma + 1]
+        torch.add(batch.seq_lens.unsqueeze(1), self._offsets, out=positions)
         slots = self.req_to_token[batch.req_pool_indices.unsqueeze(1), positions]
         return VerifyWindow(positions=positions, out_cache_loc=slots)
 
@@ -90,9 +96,11 @@ class DSparkWorker:
         proposal = self.proposer.propose(
             batch=batch, window=window, generator=self.generator
         )
-        verify_ids = torch.cat(
-            [batch.last_ids.unsqueeze(1), proposal.draft_tokens], dim=1
-        )  # [bs, gamma + 1]: bonus, d_1..d_gamma
+        verify_ids = self._verify_ids[:bs]  # [bs, gamma + 1]: bonus, d_1..d_gamma
+        verify_ids[:, 0].copy_(batch.last_ids)
+        verify_ids[:, 1:].copy_(proposal.draft_tokens)
+        kv_lens = self._kv_lens[:bs]
+        torch.add(window.positions, 1, out=kv_lens)  # causal
         rows = bs * (gamma + 1)
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
@@ -102,7 +110,7 @@ class DSparkWorker:
             positions=window.positions.view(-1),
             out_cache_loc=window.out_cache_loc.view(-1),
             req_pool_indices=batch.req_pool_indices,
-            kv_lens=window.positions.view(-1) + 1,  # causal
+            kv_lens=kv_lens.view(-1),
             num_token_non_padded=_make_num_token_non_padded(rows, self.device),
             num_token_non_padded_cpu=rows,
             capture_hidden_mode=CaptureHiddenMode.FULL,
