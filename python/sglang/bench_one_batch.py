@@ -125,9 +125,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
-    for name in ("input_len", "output_len"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.input_len < 1:
+        p.error("--input-len must be >= 1")
+    if args.output_len < 2:  # the first token comes from prefill: no decode step
+        p.error("--output-len must be >= 2")
     if min(args.batch_size) < 1:
         p.error("--batch-size values must be >= 1")
     rows = run(args)

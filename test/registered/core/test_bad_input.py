@@ -3,6 +3,8 @@ request never changes the others' outputs."""
 
 import unittest
 
+import numpy as np
+
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark.config import DSparkConfig
@@ -41,11 +43,13 @@ class TestBadRequests(CustomTestCase):
             ([1, -1], PARAMS, "token id -1"),
             ([1, 256], PARAMS, "token id 256"),
             ([1, 2.5], PARAMS, "token id 2.5"),
+            ([True, 2], PARAMS, "token id True"),
             ([1] * 60, PARAMS, "exceeds the KV capacity 64"),
             ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be an int > 0, got 0"),
             ([1, 2], {"max_new_tokens": -3}, "got -3"),
             ([1, 2], {"max_new_tokens": 2.0}, "got 2.0"),
             ([1, 2], {"temperature": -0.5}, "temperature .* got -0.5"),
+            ([1, 2], {"temperature": float("inf")}, "temperature .* got inf"),
             ([1, 2], {"top_q": 1}, "top_q"),
         ]
         for ids, params, needle in cases:
@@ -57,6 +61,61 @@ class TestBadRequests(CustomTestCase):
                 self.assertIn("input 1", str(ctx.exception))
                 self.assertFalse(self.engine.scheduler.has_work())
         self._assert_good_unchanged()
+
+    def test_kv_capacity_is_exact(self):
+        # Prompt 8 + 8 new + gamma 5 touches positions 0..19 (the last output
+        # token never enters the KV): exactly fits a context of 20.
+        engine = Engine(speculative_algorithm="DSPARK", device="cpu", context_length=20)
+        out = engine.generate(
+            input_ids=[[7] * 8], sampling_params={"max_new_tokens": 8}
+        )
+        self.assertEqual(len(out[0]["output_ids"]), 8)
+        with self.assertRaisesRegex(ValueError, "= 21 exceeds the KV capacity 20"):
+            engine.generate(input_ids=[[7] * 9], sampling_params={"max_new_tokens": 8})
+
+    def test_numpy_token_ids_accepted(self):
+        ids = [np.int64(t) for t in GOOD[0]]
+        out = self.engine.generate(input_ids=[ids], sampling_params=PARAMS)
+        self.assertEqual(out[0]["output_ids"], self.expected[0])
+
+    def test_running_cap_holds_with_spare_request_rows(self):
+        # 8 request rows in the pool, but at most 2 may run at once.
+        sched = self.engine.scheduler
+        sched.max_running_requests = 2
+        sizes = []
+        step = self.engine.worker.decode_step
+
+        def spy(*, batch):
+            sizes.append(batch.batch_size)
+            return step(batch=batch)
+
+        self.engine.worker.decode_step = spy
+        try:
+            outs = self.engine.generate(input_ids=GOOD, sampling_params=PARAMS)
+        finally:
+            sched.max_running_requests = 8
+            del self.engine.worker.decode_step
+        self.assertEqual(max(sizes), 2)
+        self.assertEqual([o["output_ids"] for o in outs], self.expected)
+
+    def test_failed_prefill_returns_its_kv(self):
+        engine = Engine(speculative_algorithm="DSPARK", device="cpu")
+        free_slots, free_rows = (
+            engine.allocator.available(),
+            engine.req_to_token_pool.available(),
+        )
+
+        def broken(*, req):
+            raise RuntimeError("prefill failed")
+
+        engine.worker.prefill = broken
+        req = Req(rid=1, origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(4))
+        engine.scheduler.add_request(req)
+        with self.assertRaisesRegex(RuntimeError, "prefill failed"):
+            engine.scheduler.step()
+        self.assertEqual(engine.allocator.available(), free_slots)
+        self.assertEqual(engine.req_to_token_pool.available(), free_rows)
+        self.assertIsNone(req.req_pool_idx)
 
     def test_malformed_call(self):
         with self.assertRaisesRegex(ValueError, "list of token-id lists"):

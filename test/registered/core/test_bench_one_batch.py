@@ -58,7 +58,11 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertEqual(rc, 0)
 
     def test_bad_arguments(self):
-        for argv in (["--output-len", "0"], ["--batch-size", "0"]):
+        for argv in (
+            ["--output-len", "1"],
+            ["--batch-size", "0"],
+            ["--input-len", "0"],
+        ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):
                     with self.assertRaises(SystemExit) as ctx:

@@ -155,7 +155,8 @@ class Engine:
                 "completion_tokens": len(req.output_ids),
                 "finish_reason": req.finished_reason,
                 "spec_verify_ct": req.spec_verify_ct,
-                # Tokens committed per verify step (accepted drafts + bonus).
+                # Accepted drafts + 1 per verify step, counted before the
+                # output is cut at max_new_tokens or EOS (upstream's measure).
                 "spec_accept_length": (
                     1 + req.spec_accepted_drafts / req.spec_verify_ct
                     if req.spec_verify_ct

@@ -16,8 +16,12 @@ class SamplingParams:
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"max_new_tokens must be an int > 0, got {n!r}")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not 0 <= t < float("inf")
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
 
 
 @dataclass

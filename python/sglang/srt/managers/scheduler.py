@@ -7,6 +7,7 @@ A request reserves its worst-case KV slots on admission, so a running
 request never runs out of KV and no committed token is lost.
 """
 
+import numbers
 import time
 from collections import deque
 from typing import Deque, List, Optional, Union
@@ -42,10 +43,12 @@ class Scheduler:
         self.decode_step_times: List[float] = []
 
     def kv_need(self, req: Req) -> int:
-        """Slots a request may touch: prompt, outputs, the verify window."""
+        """Slots a request may touch: prompt, outputs but the last (it never
+        enters the KV), and the verify window past them."""
         return (
             len(req.origin_input_ids)
             + req.sampling_params.max_new_tokens
+            - 1
             + self.lookahead
         )
 
@@ -58,7 +61,13 @@ class Scheduler:
         ids = req.origin_input_ids
         if not ids:
             raise ValueError(f"request {req.rid}: input_ids is empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [
+            t
+            for t in ids
+            if isinstance(t, bool)
+            or not isinstance(t, numbers.Integral)
+            or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise ValueError(
                 f"request {req.rid}: token id {bad[0]!r} is outside the vocabulary "
@@ -80,7 +89,7 @@ class Scheduler:
         admitted = []
         while (
             self.waiting
-            and len(self.running) < self.max_running_requests
+            and len(self.running) + len(admitted) < self.max_running_requests
             and self.req_to_token_pool.available() > 0
             and self.allocator.available() >= self.kv_need(self.waiting[0])
         ):
@@ -91,8 +100,12 @@ class Scheduler:
             table[req.req_pool_idx, : len(req.kv_slots)] = torch.tensor(
                 req.kv_slots, device=table.device
             )
-            first = self.worker.prefill(req=req)
-            req.append_tokens([first], self.eos_token_id)
+            try:
+                first = self.worker.prefill(req=req)
+            except Exception:
+                self._release(req)  # give its KV back before the error surfaces
+                raise
+            req.append_tokens([int(first)], self.eos_token_id)
             admitted.append(req)
         return admitted
 

@@ -2,7 +2,10 @@
 
 Every rank holds ``num_experts / ep_size`` experts and sees the same rows;
 it computes its experts' share and one all-reduce over the EP group sums
-the shares. Rows whose expert id is -1 are computed by no rank.
+the shares. Eagerly, rows whose expert id is -1 are computed by no expert;
+under CUDA-graph capture shapes must be static, so every local expert runs
+on every row and -1 rows get weight 0 (their output is still exactly 0).
+The all-reduce always carries the whole [T, H] tensor.
 """
 
 import torch

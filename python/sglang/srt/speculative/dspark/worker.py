@@ -67,6 +67,8 @@ class DSparkWorker:
         self._positions = torch.zeros(shape, dtype=torch.int64, device=dev)
         self._kv_lens = torch.zeros(shape, dtype=torch.int64, device=dev)
         self._verify_ids = torch.zeros(shape, dtype=torch.int64, device=dev)
+        self._table_index = torch.zeros(shape, dtype=torch.int64, device=dev)
+        self._slots = torch.zeros(shape, dtype=torch.int64, device=dev)
 
     def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
         # Target hidden states of these rows become the draft's context KV.
@@ -87,7 +89,17 @@ class DSparkWorker:
     def window(self, batch: ScheduleBatch) -> VerifyWindow:
         positions = self._positions[: batch.batch_size]  # [bs, gamma + 1]
         torch.add(batch.seq_lens.unsqueeze(1), self._offsets, out=positions)
-        slots = self.req_to_token[batch.req_pool_indices.unsqueeze(1), positions]
+        # slots[b, j] = req_to_token[req_pool_indices[b], positions[b, j]],
+        # gathered from the flat table into a preallocated buffer.
+        index = self._table_index[: batch.batch_size]
+        width = self.req_to_token.shape[1]
+        torch.add(
+            positions, batch.req_pool_indices.unsqueeze(1), alpha=width, out=index
+        )
+        slots = self._slots[: batch.batch_size]
+        torch.index_select(
+            self.req_to_token.view(-1), 0, index.view(-1), out=slots.view(-1)
+        )
         return VerifyWindow(positions=positions, out_cache_loc=slots)
 
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
