@@ -1,6 +1,8 @@
 """Shared test helpers, shaped like upstream's ``sglang.test.test_utils``."""
 
+import contextlib
 import unittest
+from typing import Iterator, List
 
 import torch
 
@@ -23,3 +25,20 @@ class CustomTestCase(unittest.TestCase):
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def record_decode_batch_sizes(engine) -> Iterator[List[int]]:
+    """Yield a list that fills with the batch size of every decode step."""
+    sizes: List[int] = []
+    step = engine.worker.decode_step
+
+    def spy(*, batch):
+        sizes.append(batch.batch_size)
+        return step(batch=batch)
+
+    engine.worker.decode_step = spy
+    try:
+        yield sizes
+    finally:
+        del engine.worker.decode_step

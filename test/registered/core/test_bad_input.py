@@ -9,7 +9,7 @@ from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark.config import DSparkConfig
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -82,19 +82,11 @@ class TestBadRequests(CustomTestCase):
         # 8 request rows in the pool, but at most 2 may run at once.
         sched = self.engine.scheduler
         sched.max_running_requests = 2
-        sizes = []
-        step = self.engine.worker.decode_step
-
-        def spy(*, batch):
-            sizes.append(batch.batch_size)
-            return step(batch=batch)
-
-        self.engine.worker.decode_step = spy
         try:
-            outs = self.engine.generate(input_ids=GOOD, sampling_params=PARAMS)
+            with record_decode_batch_sizes(self.engine) as sizes:
+                outs = self.engine.generate(input_ids=GOOD, sampling_params=PARAMS)
         finally:
             sched.max_running_requests = 8
-            del self.engine.worker.decode_step
         self.assertEqual(max(sizes), 2)
         self.assertEqual([o["output_ids"] for o in outs], self.expected)
 

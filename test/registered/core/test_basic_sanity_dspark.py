@@ -16,7 +16,7 @@ from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.speculative.dspark.draft import DraftProposal
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 register_cuda_ci(est_time=60, stage="stage-b", runner_config="1-gpu-large")
@@ -100,18 +100,8 @@ class TestDSparkMatchesPlainGreedy(CustomTestCase):
         prompts, params = make_prompts(12, seed=99), self._params(12, seed=99)
         ref = self._reference(prompts, params)
         sched = self.dspark.scheduler
-        sizes = []
-        original_step = self.dspark.worker.decode_step
-
-        def spy(*, batch):
-            sizes.append(batch.batch_size)
-            return original_step(batch=batch)
-
-        self.dspark.worker.decode_step = spy
-        try:
+        with record_decode_batch_sizes(self.dspark) as sizes:
             outs = self.dspark.generate(input_ids=prompts, sampling_params=params)
-        finally:
-            del self.dspark.worker.decode_step
         for p, o in zip(prompts, outs):
             self.assertEqual(o["output_ids"], ref[tuple(p)])
         self.assertEqual(max(sizes), 8)
