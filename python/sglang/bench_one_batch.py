@@ -2,10 +2,12 @@
 
     python -m sglang.bench_one_batch --batch-size 1 8 --input-len 64 --output-len 64
 
-For each batch size both engines decode the same random prompts; printed per
-batch size: decode tokens/s and mean step time of each, their ratio, DSpark's
-mean accepted length (tokens per verify step), and whether DSpark's greedy
-output equals plain greedy output token for token (it must).
+For each batch size both engines decode the same random prompts, in
+``--repeats`` interleaved runs. Printed per batch size, from each engine's
+median run: decode tokens/s (with the min-max over runs) and mean step time,
+their ratio, DSpark's mean accepted length (accepted drafts + 1 per verify
+step), and whether every DSpark greedy output equals plain greedy output
+token for token (it must).
 """
 
 import argparse
@@ -20,8 +22,7 @@ from sglang.srt.entrypoints.engine import Engine
 
 
 def _decode(engine: Engine, prompts, params, desc: str) -> Dict:
-    """Warm up once, then run and read the engine's decode-step timings."""
-    engine.generate(input_ids=prompts, sampling_params=dict(params, max_new_tokens=4))
+    """Run once and read the engine's decode-step timings."""
     engine.scheduler.decode_step_times.clear()
     total = len(prompts) * params["max_new_tokens"]
     with tqdm(total=total, desc=desc, unit="tok", leave=False, file=sys.stderr) as bar:
@@ -50,6 +51,16 @@ def _decode(engine: Engine, prompts, params, desc: str) -> Dict:
     }
 
 
+def _median(runs: List[Dict]) -> Dict:
+    ordered = sorted(runs, key=lambda r: r["decode_tokens_per_s"])
+    return dict(
+        ordered[len(ordered) // 2],
+        tokens_per_s_range=[
+            r["decode_tokens_per_s"] for r in (ordered[0], ordered[-1])
+        ],
+    )
+
+
 def run(args: argparse.Namespace) -> List[Dict]:
     rng = random.Random(args.seed)
     common = dict(
@@ -72,8 +83,17 @@ def run(args: argparse.Namespace) -> List[Dict]:
         prompts = [
             [rng.randrange(vocab - 1) for _ in range(args.input_len)] for _ in range(bs)
         ]
-        base = _decode(plain, prompts, params, f"plain bs={bs}")
-        spec = _decode(dspark, prompts, params, f"dspark bs={bs}")
+        warmup = dict(params, max_new_tokens=4)
+        for engine in (plain, dspark):
+            engine.generate(input_ids=prompts, sampling_params=warmup)
+        # Interleaved repeats; each engine's median run is reported, so one
+        # noisy moment on a shared machine does not decide the ratio.
+        runs = {"plain": [], "dspark": []}
+        for r in range(args.repeats):
+            for name, engine in (("plain", plain), ("dspark", dspark)):
+                desc = f"{name} bs={bs} run {r + 1}/{args.repeats}"
+                runs[name].append(_decode(engine, prompts, params, desc))
+        base, spec = (_median(runs[name]) for name in ("plain", "dspark"))
         rows.append(
             {
                 "batch_size": bs,
@@ -83,14 +103,21 @@ def run(args: argparse.Namespace) -> List[Dict]:
                 "gamma": dspark.dspark_config.gamma,
                 "device": plain.server_args.device,
                 "cuda_graph": plain.server_args.use_cuda_graph,
+                "repeats": args.repeats,
                 "plain_tokens_per_s": base["decode_tokens_per_s"],
+                "plain_tokens_per_s_range": base["tokens_per_s_range"],
                 "plain_mean_step_ms": base["mean_step_ms"],
                 "dspark_tokens_per_s": spec["decode_tokens_per_s"],
+                "dspark_tokens_per_s_range": spec["tokens_per_s_range"],
                 "dspark_mean_step_ms": spec["mean_step_ms"],
                 "speedup": spec["decode_tokens_per_s"] / base["decode_tokens_per_s"],
                 "accept_length": spec["accept_length"],
+                # Every run of both engines, not only the median ones.
                 "greedy_output_equal": (
-                    base["output_ids"] == spec["output_ids"]
+                    all(
+                        run["output_ids"] == base["output_ids"]
+                        for run in runs["plain"] + runs["dspark"]
+                    )
                     if args.temperature == 0
                     else None
                 ),
@@ -102,11 +129,17 @@ def run(args: argparse.Namespace) -> List[Dict]:
 
 def _format(r: Dict) -> str:
     equal = r["greedy_output_equal"]
+
+    def engine(name: str) -> str:
+        lo, hi = r[f"{name}_tokens_per_s_range"]
+        return (
+            f"{name} {r[f'{name}_tokens_per_s']:7.1f} tok/s [{lo:.0f}-{hi:.0f}] "
+            f"{r[f'{name}_mean_step_ms']:.3f} ms/step"
+        )
+
     return (
-        f"bs={r['batch_size']:<3} plain {r['plain_tokens_per_s']:8.1f} tok/s "
-        f"({r['plain_mean_step_ms']:.3f} ms/step) | dspark "
-        f"{r['dspark_tokens_per_s']:8.1f} tok/s ({r['dspark_mean_step_ms']:.3f} "
-        f"ms/step) | dspark/plain {r['speedup']:.3f}x | accept length "
+        f"bs={r['batch_size']:<3} {engine('plain')} | {engine('dspark')} | "
+        f"dspark/plain {r['speedup']:.3f}x | accept length "
         f"{r['accept_length']:.2f} | greedy equal: "
         f"{'n/a (sampling)' if equal is None else equal}"
     )
@@ -123,12 +156,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when present")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats", type=int, default=3, help="interleaved runs; the median is shown"
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
     if args.input_len < 1:
         p.error("--input-len must be >= 1")
     if args.output_len < 2:  # the first token comes from prefill: no decode step
         p.error("--output-len must be >= 2")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if min(args.batch_size) < 1:
         p.error("--batch-size values must be >= 1")
     rows = run(args)

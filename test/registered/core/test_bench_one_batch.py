@@ -25,7 +25,7 @@ class TestBenchOneBatch(CustomTestCase):
             ):
                 rc = bench_one_batch.main(
                     ["--batch-size", "1", "3", "--input-len", "8", "--output-len", "9"]
-                    + ["--json", path]
+                    + ["--repeats", "2", "--json", path]
                 )
             with open(path) as f:
                 rows = json.load(f)
@@ -39,6 +39,11 @@ class TestBenchOneBatch(CustomTestCase):
             self.assertAlmostEqual(
                 r["speedup"], r["dspark_tokens_per_s"] / r["plain_tokens_per_s"]
             )
+            self.assertEqual(r["repeats"], 2)
+            for name in ("plain", "dspark"):
+                lo, hi = r[f"{name}_tokens_per_s_range"]
+                self.assertLessEqual(lo, r[f"{name}_tokens_per_s"])
+                self.assertLessEqual(r[f"{name}_tokens_per_s"], hi)
             self.assertGreaterEqual(r["accept_length"], 1.0)
             self.assertLessEqual(r["accept_length"], 6.0)
         text = out.getvalue()
