@@ -67,6 +67,7 @@ class TestBenchOneBatch(CustomTestCase):
             ["--output-len", "1"],
             ["--batch-size", "0"],
             ["--input-len", "0"],
+            ["--repeats", "0"],
         ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):
