@@ -19,7 +19,7 @@ from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
-register_cuda_ci(est_time=60, stage="stage-b", runner_config="1-gpu-large")
+register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-large")
 
 VOCAB = 256
 

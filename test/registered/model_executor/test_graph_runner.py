@@ -28,7 +28,7 @@ from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=8, suite="base-a-test-cpu")
-register_cuda_ci(est_time=20, stage="stage-b", runner_config="1-gpu-large")
+register_cuda_ci(est_time=20, stage="base-b", runner_config="1-gpu-large")
 
 BUCKETS = [1, 2, 4, 8]
 NUM_REQS = 10  # enough for a batch past the largest bucket

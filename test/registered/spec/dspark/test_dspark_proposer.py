@@ -13,7 +13,7 @@ from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
-register_cuda_ci(est_time=20, stage="stage-b", runner_config="1-gpu-large")
+register_cuda_ci(est_time=20, stage="base-b", runner_config="1-gpu-large")
 
 PREDICATE = "sglang.srt.speculative.dspark.draft.enable_num_token_non_padded"
 
