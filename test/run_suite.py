@@ -2,11 +2,23 @@
 """Run, list or check the test files registered for a CI suite.
 
 From the repo root (or from test/, dropping the "test/" prefix):
-  python3 test/run_suite.py --suite base-a-test-cpu          # run it
-  python3 test/run_suite.py --suite base-a-test-cpu --list   # show files, est. time
-  python3 test/run_suite.py --check                          # validate registrations
+  python3 test/run_suite.py --hw cpu --suite base-a-test-cpu          # run it
+  python3 test/run_suite.py --hw cpu --suite base-a-test-cpu --list   # files, est. time
+  python3 test/run_suite.py --hw cuda --suite base-b-test-1-gpu-large
+  python3 test/run_suite.py --check                 # validate registrations
 
-Each file runs in its own subprocess as ``python3 registered/<path>`` from test/.
+``--hw`` (cpu or cuda) and ``--suite`` are required to run or list: ``--hw``
+picks the register_cpu_ci or register_cuda_ci registrations, ``--suite`` their
+suite (``suite=``, or "<stage>-test-<runner_config>"). ``--check`` needs
+neither: it validates that every test_*.py under registered/ parses, is
+registered and has an ``if __name__ == "__main__":`` entry.
+
+Each file runs in its own subprocess as ``python3 registered/<path>`` from test/,
+with a limit of ``--timeout-per-file`` seconds. The run stops at the first
+failing file (the rest are reported as not run) unless ``--continue-on-error``
+is given. A summary follows the per-file lines; the last line is
+"N passed, N failed". Exit status: 0 all passed, 1 a file failed or was not
+run, 2 a usage error, an unknown suite or a malformed registration.
 """
 
 from __future__ import annotations
@@ -31,11 +43,13 @@ REGISTERED = Path("registered")  # relative: main() runs from the test/ director
 TAIL_LINES = 40
 
 
-def suite_files(regs: list[CIRegistration], suite: str) -> list[CIRegistration]:
-    """The first enabled registration of each file in ``suite``, in file order."""
+def suite_files(
+    regs: list[CIRegistration], hw: str, suite: str
+) -> list[CIRegistration]:
+    """The first enabled ``hw`` registration of each file in ``suite``, in file order."""
     by_file: dict[str, CIRegistration] = {}
     for reg in regs:
-        if reg.effective_suite == suite and reg.disabled is None:
+        if reg.backend == hw and reg.effective_suite == suite and reg.disabled is None:
             by_file.setdefault(reg.filename, reg)
     return list(by_file.values())
 
@@ -72,20 +86,40 @@ def tail(output: str, lines: int = TAIL_LINES) -> str:
     return "\n".join("    " + line for line in output.splitlines()[-lines:])
 
 
-def run_suite(selected: list[CIRegistration], timeout: float) -> int:
+def run_suite(
+    selected: list[CIRegistration],
+    timeout: float,
+    *,
+    continue_on_error: bool,
+    label: str,
+) -> int:
     if any(reg.backend == "cuda" for reg in selected) and not gpu_available():
         print("note: no GPU on this machine; CUDA tests skip themselves", flush=True)
-    passed = failed = 0
+    results: list[tuple[str, str, float]] = []  # (status, file, seconds)
     for i, reg in enumerate(selected, 1):
         ok, seconds, output = run_file(reg.filename, timeout)
         status = "PASSED" if ok else "FAILED"
+        results.append((status, reg.filename, seconds))
         print(f"[{i}/{len(selected)}] {status} {reg.filename} ({seconds:.1f}s)")
-        if ok:
-            passed += 1
-        else:
-            failed += 1
+        if not ok:
             print(tail(output))
         sys.stdout.flush()
+        if not ok and not continue_on_error:
+            break
+    not_run = [reg.filename for reg in selected[len(results) :]]
+    passed = sum(status == "PASSED" for status, _, _ in results)
+    failed = len(results) - passed
+    total = sum(seconds for _, _, seconds in results)
+    print(f"== summary: {label}: {len(selected)} files, {total:.1f}s ==")
+    for status, filename, seconds in results:
+        print(f"  {status:<8} {filename} ({seconds:.1f}s)")
+    for filename in not_run:
+        print(f"  {'NOT RUN':<8} {filename}")
+    if not_run:
+        print(
+            f"{len(not_run)} not run: stopped at the first failure "
+            "(--continue-on-error runs every file)"
+        )
     print(f"{passed} passed, {failed} failed", flush=True)
     return 0 if failed == 0 else 1
 
@@ -121,36 +155,68 @@ def check() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", help="the suite to run or list")
+    parser.add_argument(
+        "--hw",
+        choices=("cpu", "cuda"),
+        help="backend: cpu runs register_cpu_ci files, cuda register_cuda_ci files "
+        "(required unless --check)",
+    )
+    parser.add_argument(
+        "--suite", help="the suite to run or list (required unless --check)"
+    )
     parser.add_argument("--list", action="store_true", help="list, don't run")
-    parser.add_argument("--check", action="store_true", help="validate all files")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="validate that every file is registered and has a __main__ entry",
+    )
+    parser.add_argument(
+        "--continue-on-error",
+        action="store_true",
+        help="run every file even after one fails (default: stop at the first)",
+    )
     parser.add_argument(
         "--root",
         type=Path,
         default=Path(__file__).resolve().parent,
         help="the test/ directory (default: the one holding this script)",
     )
-    parser.add_argument("--timeout-per-file", type=float, default=900.0)
+    parser.add_argument(
+        "--timeout-per-file", type=float, default=900.0, help="seconds (default 900)"
+    )
     args = parser.parse_args(argv)
+    if not args.check:
+        missing = [flag for flag in ("--hw", "--suite") if not getattr(args, flag[2:])]
+        if missing:
+            parser.error(
+                f"the following arguments are required: {', '.join(missing)} "
+                "(unless --check)"
+            )
     os.chdir(args.root)  # commands and messages use paths like registered/x.py
     if args.check:
         return check()
-    if not args.suite:
-        parser.error("give --suite NAME or --check")
     try:
         regs = collect_tests(REGISTERED)
     except RegistrationError as e:
         print(f"error: {e} (run --check)", file=sys.stderr)
         return 2
-    known = sorted({reg.effective_suite for reg in regs})
+    known = sorted({reg.effective_suite for reg in regs if reg.backend == args.hw})
     if args.suite not in known:
         names = ", ".join(known) or "(none)"
-        print(f"error: unknown suite {args.suite!r}; known: {names}", file=sys.stderr)
+        print(
+            f"error: unknown suite {args.suite!r} for --hw {args.hw}; known: {names}",
+            file=sys.stderr,
+        )
         return 2
-    selected = suite_files(regs, args.suite)
+    selected = suite_files(regs, args.hw, args.suite)
     if args.list:
         return list_suite(selected)
-    return run_suite(selected, args.timeout_per_file)
+    return run_suite(
+        selected,
+        args.timeout_per_file,
+        continue_on_error=args.continue_on_error,
+        label=f"suite {args.suite}, --hw {args.hw}",
+    )
 
 
 if __name__ == "__main__":

@@ -2,22 +2,29 @@
 """Resolve a ``/rerun-test`` PR comment into the commands the CI bot runs.
 
   python3 scripts/ci/rerun_test.py "/rerun-test test_a.py spec/dspark/test_b"
+  python3 scripts/ci/rerun_test.py "/rerun-test test_a.py::TestX test_b.py::TestY.test_z"
   echo "/rerun-test test_a.py" | python3 scripts/ci/rerun_test.py --run
 
-Each name is a file name (".py" optional) or a path under test/registered/.
-Commands are grouped by the GitHub runner each registration runs on; ``--run``
-runs the groups this machine can run.
+Each spec is a file name (".py" optional) or a path under test/registered/,
+optionally followed by ``::TestClass`` or ``::TestClass.test_method`` (checked
+against the file's syntax tree). Commands are grouped by the GitHub runner each
+registration runs on, one per spec:
+``cd test/ && python3 registered/<path>.py [TestClass[.test_method]]`` (unittest's
+argv picks the class or method). ``--run`` runs the groups this machine can run:
+the CPU group always, a CUDA group only with a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, Optional, TextIO
 
 from sglang.test.ci.ci_register import (
     CPU_RUNNER,
@@ -32,12 +39,28 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TAIL_LINES = 40
 
 
+_SELECTOR = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?")
+
+
 class ResolveError(Exception):
-    """A name in the comment that does not map to one runnable test file."""
+    """A spec in the comment that does not map to a runnable test; the problem only."""
+
+
+class Target(NamedTuple):
+    """One command of the reply: a test/-relative file and its unittest selector."""
+
+    rel: str  # e.g. "registered/spec/test_x.py"
+    selector: Optional[str] = None  # "TestClass" or "TestClass.test_method"
+
+    def argv(self) -> list[str]:
+        return [self.rel] if self.selector is None else [self.rel, self.selector]
+
+    def __str__(self) -> str:
+        return " ".join(self.argv())
 
 
 def parse_comment(text: str) -> list[str]:
-    """The test names on the comment's first line, deduplicated, in order."""
+    """The test specs on the comment's first line, deduplicated, in order."""
     lines = text.strip().splitlines()
     words = lines[0].split() if lines else []
     if not words or words[0] != COMMAND:
@@ -55,12 +78,10 @@ def _find(name: str, root: Path, files: list[Path]) -> Path:
     if "/" not in filename:
         matches = [p for p in files if p.name == filename]
         if not matches:
-            raise ResolveError(
-                f"{name}: no test file with that name under test/registered/"
-            )
+            raise ResolveError("no test file with that name under test/registered/")
         if len(matches) > 1:
             listed = ", ".join(str(p) for p in matches)
-            raise ResolveError(f"{name}: ambiguous, matches {listed}")
+            raise ResolveError(f"ambiguous, matches {listed}")
         return matches[0]
     # A path: repo-relative, test/-relative ("registered/...") or registered-relative.
     if Path(filename).is_absolute():
@@ -73,60 +94,97 @@ def _find(name: str, root: Path, files: list[Path]) -> Path:
         candidate = registered / filename
     real = candidate.resolve()
     if not real.is_relative_to(registered.resolve()):
-        raise ResolveError(f"{name}: not a path under test/registered/")
+        raise ResolveError("not a path under test/registered/")
     for path in files:
         if path.resolve() == real:
             return path
-    raise ResolveError(f"{name}: no test file at that path under test/registered/")
+    raise ResolveError("no test file at that path under test/registered/")
 
 
-def resolve(names: list[str], root: Path) -> tuple[list[CIRegistration], list[str]]:
-    """Map comment names to their enabled registrations; collect one error per bad name."""
+def _split_spec(name: str) -> tuple[str, Optional[str]]:
+    """Split a spec: file.py::TestClass.test_method -> (file.py, TestClass.test_method)."""
+    if "::" not in name:
+        return name, None
+    file_part, _, selector = name.partition("::")
+    if not file_part or not _SELECTOR.fullmatch(selector):
+        raise ResolveError(
+            "bad spec; use file.py, file.py::TestClass "
+            "or file.py::TestClass.test_method"
+        )
+    return file_part, selector
+
+
+def _check_selector(path: Path, selector: str) -> None:
+    """The class (and method) must be defined in the file: a module-level class."""
+    class_name, _, method = selector.partition(".")
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    classes = [
+        stmt
+        for stmt in tree.body
+        if isinstance(stmt, ast.ClassDef) and stmt.name == class_name
+    ]
+    if not classes:
+        raise ResolveError(f"no class {class_name} in {path}")
+    if method and not any(
+        isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and stmt.name == method
+        for stmt in classes[-1].body
+    ):
+        raise ResolveError(f"class {class_name} in {path} has no method {method}")
+
+
+def resolve(
+    names: list[str], root: Path
+) -> tuple[list[tuple[CIRegistration, Optional[str]]], list[str]]:
+    """Map comment specs to (enabled registration, selector) pairs; one error per bad spec."""
     files = sorted((Path(root) / "test" / "registered").rglob("*.py"))
-    resolved: list[CIRegistration] = []
+    resolved: list[tuple[CIRegistration, Optional[str]]] = []
     errors: list[str] = []
-    done: set[Path] = set()
+    done: set[tuple[Path, Optional[str]]] = set()
     for name in names:
         try:
-            path = _find(name, Path(root), files)
+            file_part, selector = _split_spec(name)
+            path = _find(file_part, Path(root), files)
             regs = collect_registrations(path)
-        except ResolveError as e:
-            errors.append(str(e))
-            continue
-        except RegistrationError as e:
+            enabled = [reg for reg in regs if reg.disabled is None]
+            if not regs:
+                raise ResolveError(f"{path} is not registered for CI")
+            if not enabled:
+                reasons = "; ".join(sorted({str(reg.disabled) for reg in regs}))
+                raise ResolveError(f"{path} is disabled: {reasons}")
+            if selector is not None:
+                _check_selector(path, selector)
+        except (ResolveError, RegistrationError) as e:
             errors.append(f"{name}: {e}")
             continue
-        enabled = [reg for reg in regs if reg.disabled is None]
-        if not regs:
-            errors.append(f"{name}: {path} is not registered for CI")
-        elif not enabled:
-            reasons = "; ".join(sorted({str(reg.disabled) for reg in regs}))
-            errors.append(f"{name}: {path} is disabled: {reasons}")
-        elif path not in done:  # two spellings of one file run it once
-            done.add(path)
-            resolved.extend(enabled)
+        if (path, selector) not in done:  # two spellings of one spec run it once
+            done.add((path, selector))
+            resolved.extend((reg, selector) for reg in enabled)
     return resolved, errors
 
 
-def group_by_runner(regs: list[CIRegistration], root: Path) -> dict[str, list[str]]:
-    """Runner label -> test/-relative files; the CPU runner first, then by name."""
-    groups: dict[str, list[str]] = {}
-    for reg in regs:
+def group_by_runner(
+    resolved: list[tuple[CIRegistration, Optional[str]]], root: Path
+) -> dict[str, list[Target]]:
+    """Runner label -> targets to run; the CPU runner first, then by name."""
+    groups: dict[str, list[Target]] = {}
+    for reg, selector in resolved:
         rel = Path(reg.filename).relative_to(Path(root) / "test").as_posix()
-        files = groups.setdefault(runner_label(reg), [])
-        if rel not in files:
-            files.append(rel)
+        targets = groups.setdefault(runner_label(reg), [])
+        target = Target(rel, selector)
+        if target not in targets:
+            targets.append(target)
     order = sorted(groups, key=lambda label: (label != CPU_RUNNER, label))
     return {label: groups[label] for label in order}
 
 
-def format_reply(groups: dict[str, list[str]]) -> str:
-    """The bot's reply: per runner, a count and one command per test."""
+def format_reply(groups: dict[str, list[Target]]) -> str:
+    """The bot's reply: per runner, a count and one command per spec."""
     lines = []
-    for label, files in groups.items():
-        noun = "test" if len(files) == 1 else "tests"
-        lines.append(f"{label} ({len(files)} {noun}):")
-        lines.extend(f"  cd test/ && python3 {rel}" for rel in files)
+    for label, targets in groups.items():
+        noun = "test" if len(targets) == 1 else "tests"
+        lines.append(f"{label} ({len(targets)} {noun}):")
+        lines.extend(f"  cd test/ && python3 {target}" for target in targets)
     return "\n".join(lines)
 
 
@@ -138,12 +196,12 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def run_file(rel: str, test_dir: Path, timeout: float) -> tuple[bool, float, str]:
-    """Run one test file from test/; returns (passed, seconds, output)."""
+def run_file(target: Target, test_dir: Path, timeout: float) -> tuple[bool, float, str]:
+    """Run one test file (and selector) from test/; returns (passed, seconds, output)."""
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, rel],
+            [sys.executable, *target.argv()],
             cwd=test_dir,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -157,7 +215,7 @@ def run_file(rel: str, test_dir: Path, timeout: float) -> tuple[bool, float, str
 
 
 def run_groups(
-    groups: dict[str, list[str]],
+    groups: dict[str, list[Target]],
     test_dir: Path,
     *,
     gpu: bool,
@@ -166,22 +224,22 @@ def run_groups(
 ) -> tuple[int, int]:
     """Run the groups this machine can run; prints like the bot, returns (passed, failed)."""
     passed = failed = 0
-    for label, files in groups.items():
+    for label, targets in groups.items():
         if label != CPU_RUNNER and not gpu:
             print(f"{label}: skipped, no GPU on this machine", file=out, flush=True)
             continue
         print(f"{label}:", file=out, flush=True)
         group_passed = 0
-        for rel in files:
-            ok, seconds, output = run_file(rel, test_dir, timeout)
+        for target in targets:
+            ok, seconds, output = run_file(target, test_dir, timeout)
             mark = "✅ PASSED" if ok else "❌ FAILED"
-            print(f"  {mark} {rel} ({seconds:.1f}s)", file=out)
+            print(f"  {mark} {target} ({seconds:.1f}s)", file=out)
             if not ok:
                 tail = output.splitlines()[-TAIL_LINES:]
                 print("\n".join("      " + line for line in tail), file=out)
             out.flush()
             group_passed += 1 if ok else 0
-        group_failed = len(files) - group_passed
+        group_failed = len(targets) - group_passed
         print(f"{label}: {group_passed} passed, {group_failed} failed", file=out)
         passed, failed = passed + group_passed, failed + group_failed
     print(f"{passed} passed, {failed} failed", file=out, flush=True)

@@ -1,5 +1,6 @@
 """Tests for sglang.test.ci.ci_register: parsing registrations from source."""
 
+import inspect
 import re
 import tempfile
 import textwrap
@@ -40,7 +41,7 @@ class TestCIRegister(CustomTestCase):
         path = self.write(
             "spec/test_fields.py",
             HEADER + "register_cpu_ci(est_time=10, suite='base-a-test-cpu')\n"
-            "register_cuda_ci(est_time=30.5, stage='stage-b', "
+            "register_cuda_ci(est_time=30.5, stage='base-b', "
             "runner_config='1-gpu-large', nightly=True, disabled='flaky on H100')\n",
         )
         self.assertEqual(
@@ -51,7 +52,7 @@ class TestCIRegister(CustomTestCase):
                     "cuda",
                     str(path),
                     30.5,
-                    stage="stage-b",
+                    stage="base-b",
                     runner_config="1-gpu-large",
                     nightly=True,
                     disabled="flaky on H100",
@@ -69,13 +70,53 @@ class TestCIRegister(CustomTestCase):
         self.assertEqual((reg.backend, reg.est_time), ("cuda", 7.0))
         self.assertEqual(reg.suite, "stage-b-test-small-1-gpu")
 
+    def test_positional_nightly_and_disabled(self) -> None:
+        # Upstream's order: est_time, suite, nightly, disabled.
+        path = self.write(
+            "test_pos4.py",
+            HEADER + "register_cuda_ci(7, 'nightly-suite', True, 'flaky on H100')\n"
+            "register_cpu_ci(2, None, False, None, stage='base-a', runner_config='cpu')\n",
+        )
+        self.assertEqual(
+            collect_registrations(path),
+            [
+                CIRegistration(
+                    "cuda",
+                    str(path),
+                    7.0,
+                    suite="nightly-suite",
+                    nightly=True,
+                    disabled="flaky on H100",
+                ),
+                CIRegistration(
+                    "cpu", str(path), 2.0, stage="base-a", runner_config="cpu"
+                ),
+            ],
+        )
+
+    def test_signatures_match_upstream(self) -> None:
+        for func in (register_cpu_ci, register_cuda_ci):
+            with self.subTest(func=func.__name__):
+                params = inspect.signature(func).parameters.values()
+                self.assertEqual(
+                    [(p.name, p.kind.name, p.default) for p in params],
+                    [
+                        ("est_time", "POSITIONAL_OR_KEYWORD", inspect.Parameter.empty),
+                        ("suite", "POSITIONAL_OR_KEYWORD", None),
+                        ("nightly", "POSITIONAL_OR_KEYWORD", False),
+                        ("disabled", "POSITIONAL_OR_KEYWORD", None),
+                        ("stage", "KEYWORD_ONLY", None),
+                        ("runner_config", "KEYWORD_ONLY", None),
+                    ],
+                )
+
     def test_effective_suite(self) -> None:
         by_suite = CIRegistration("cpu", "x.py", 1.0, suite="base-a-test-cpu")
         by_stage = CIRegistration(
-            "cuda", "x.py", 1.0, stage="stage-b", runner_config="1-gpu-large"
+            "cuda", "x.py", 1.0, stage="base-b", runner_config="1-gpu-large"
         )
         self.assertEqual(by_suite.effective_suite, "base-a-test-cpu")
-        self.assertEqual(by_stage.effective_suite, "stage-b-1-gpu-large")
+        self.assertEqual(by_stage.effective_suite, "base-b-test-1-gpu-large")
 
     def test_only_module_level_calls_count(self) -> None:
         path = self.write(
@@ -122,8 +163,20 @@ class TestCIRegister(CustomTestCase):
             "register_cpu_ci(est_time=1, suite='s', disabled=True)": (
                 "disabled must be a str literal, got True"
             ),
-            "register_cpu_ci(1, 's', 'x')": "takes at most 2 positional arguments",
+            "register_cpu_ci(1, 's', False, None, 'x')": (
+                "takes at most 4 positional arguments "
+                "(est_time, suite, nightly, disabled), got 5"
+            ),
+            "register_cpu_ci(1, 's', 'x')": "nightly must be a bool literal, got 'x'",
+            "register_cpu_ci(1, 's', False, 3)": "disabled must be a str literal, got 3",
             "register_cpu_ci(1, 's', est_time=2)": "est_time given twice",
+            "register_cpu_ci(1, 's', True, nightly=False)": "nightly given twice",
+            "register_cpu_ci(1, 's', False, 'x', disabled='y')": (
+                "disabled given twice"
+            ),
+            "register_cuda_ci(1, 's', True, stage='b', runner_config='1-gpu')": (
+                "give suite or stage+runner_config, not both"
+            ),
             "register_cpu_ci(1, **opts)": "**kwargs is not allowed",
         }
         for call, problem in cases.items():
@@ -169,7 +222,7 @@ class TestCIRegister(CustomTestCase):
         cpu = CIRegistration("cpu", "x.py", 1.0, suite="base-a-test-cpu")
         self.assertEqual(runner_label(cpu), "ubuntu-latest")
         self.assertEqual(
-            runner_label(cuda(stage="stage-b", runner_config="1-gpu-large")),
+            runner_label(cuda(stage="base-b", runner_config="1-gpu-large")),
             "1-gpu-h100",
         )
         self.assertEqual(
@@ -183,7 +236,7 @@ class TestCIRegister(CustomTestCase):
     def test_register_calls_are_noops_at_run_time(self) -> None:
         self.assertIsNone(register_cpu_ci(est_time=1, suite="x"))
         self.assertIsNone(
-            register_cuda_ci(1, stage="stage-b", runner_config="1-gpu", nightly=True)
+            register_cuda_ci(1, None, True, "x", stage="base-b", runner_config="1-gpu")
         )
 
 

@@ -41,7 +41,7 @@ class TestRerunTest(CustomTestCase):
             "spec/test_both.py",
             """\
             register_cpu_ci(5, 'base-a-test-cpu')
-            register_cuda_ci(30, stage='stage-b', runner_config='1-gpu-large')
+            register_cuda_ci(30, stage='base-b', runner_config='1-gpu-large')
             register_cuda_ci(60, stage='stage-c', runner_config='8-gpu')
             """,
         )
@@ -59,6 +59,35 @@ class TestRerunTest(CustomTestCase):
             "test_fail.py", "register_cpu_ci(1, 'base')\n", "sys.exit('boom-marker')"
         )
         (self.root / "test" / "test_outside.py").write_text("x = 1\n")
+        # Classes to select: running the whole file fails (test_broken), running
+        # TestEnabledPath.test_on alone passes.
+        self.write(
+            "spec/dspark/test_dspark_dp_tier.py",
+            """\
+            import unittest
+            register_cpu_ci(5, 'base-a-test-cpu')
+            register_cuda_ci(10, stage='base-b', runner_config='1-gpu-large')
+            class TestEnabledPath(unittest.TestCase):
+                def test_on(self):
+                    print('on-marker')
+                def test_broken(self):
+                    self.fail('broken-marker')
+            class TestDisabledPath(unittest.TestCase):
+                def test_off(self):
+                    pass
+            def helper():
+                class TestNested(unittest.TestCase):
+                    pass
+            """,
+            "unittest.main()",
+        )
+        self.write(
+            "test_off_classes.py",
+            "import unittest\n"
+            "register_cpu_ci(1, 'base', disabled='broken')\n"
+            "class TestA(unittest.TestCase):\n"
+            "    pass\n",
+        )
 
     def write(self, rel: str, registrations: str, body: str = "print('ok')") -> None:
         path = self.registered / rel
@@ -66,9 +95,13 @@ class TestRerunTest(CustomTestCase):
         path.write_text(fake_test(registrations, body))
 
     def resolve(self, *names: str) -> tuple[list[str], list[str]]:
-        regs, errors = rerun_test.resolve(list(names), self.root)
-        rel = [Path(r.filename).relative_to(self.registered).as_posix() for r in regs]
-        return rel, errors
+        """(registered-relative "file[::selector]" per registration, errors)."""
+        resolved, errors = rerun_test.resolve(list(names), self.root)
+        specs = []
+        for reg, selector in resolved:
+            rel = Path(reg.filename).relative_to(self.registered).as_posix()
+            specs.append(rel if selector is None else f"{rel}::{selector}")
+        return specs, errors
 
     def cli(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -135,8 +168,10 @@ class TestRerunTest(CustomTestCase):
         )
 
     def test_grouping_and_reply(self) -> None:
-        regs, _ = rerun_test.resolve(["test_both", "test_gpu", "test_dp"], self.root)
-        groups = rerun_test.group_by_runner(regs, self.root)
+        resolved, _ = rerun_test.resolve(
+            ["test_both", "test_gpu", "test_dp"], self.root
+        )
+        groups = rerun_test.group_by_runner(resolved, self.root)
         self.assertEqual(
             rerun_test.format_reply(groups),
             "ubuntu-latest (2 tests):\n"
@@ -184,10 +219,122 @@ class TestRerunTest(CustomTestCase):
         self.assertIn("ubuntu-latest: 1 passed, 1 failed", proc.stdout)
         self.assertEqual(proc.stdout.splitlines()[-1], "1 passed, 1 failed")
 
+    def test_class_spec_prints_runner_groups_and_command(self) -> None:
+        proc = self.cli("/rerun-test test_dspark_dp_tier.py::TestEnabledPath")
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        tier = "registered/spec/dspark/test_dspark_dp_tier.py"
+        self.assertEqual(
+            proc.stdout,
+            "ubuntu-latest (1 test):\n"
+            f"  cd test/ && python3 {tier} TestEnabledPath\n"
+            "1-gpu-h100 (1 test):\n"
+            f"  cd test/ && python3 {tier} TestEnabledPath\n",
+        )
+        self.assertEqual(proc.stderr, "")
+
+    def test_method_spec_and_plain_file_in_one_comment(self) -> None:
+        proc = self.cli(
+            "/rerun-test spec/dspark/test_dspark_dp_tier::TestEnabledPath.test_on "
+            "test_dp.py test_dspark_dp_tier.py::TestEnabledPath.test_on"
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        tier = "registered/spec/dspark/test_dspark_dp_tier.py"
+        self.assertEqual(
+            proc.stdout,
+            "ubuntu-latest (2 tests):\n"
+            f"  cd test/ && python3 {tier} TestEnabledPath.test_on\n"
+            "  cd test/ && python3 registered/spec/dspark/test_dp.py\n"
+            "1-gpu-h100 (1 test):\n"
+            f"  cd test/ && python3 {tier} TestEnabledPath.test_on\n",
+        )
+
+    def test_spec_resolution(self) -> None:
+        tier = "spec/dspark/test_dspark_dp_tier.py"
+        # The file, a class and a method are three specs; one registration each.
+        self.assertEqual(
+            self.resolve(
+                "test_dspark_dp_tier",
+                f"{tier}::TestEnabledPath",
+                f"{tier}::TestEnabledPath.test_on",
+                "test_dspark_dp_tier.py::TestEnabledPath",
+            ),
+            (
+                [tier, tier]
+                + [f"{tier}::TestEnabledPath"] * 2
+                + [f"{tier}::TestEnabledPath.test_on"] * 2,
+                [],
+            ),
+        )
+
+    def test_unknown_class_or_method_is_an_error(self) -> None:
+        tier = "test/registered/spec/dspark/test_dspark_dp_tier.py"
+        proc = self.cli(
+            "/rerun-test test_dspark_dp_tier.py::TestNope "
+            "test_dspark_dp_tier.py::TestNested "
+            "test_dspark_dp_tier.py::TestDisabledPath.test_on "
+            "test_dspark_dp_tier.py::helper "
+            "test_dp.py::TestEnabledPath "
+            "test_dspark_dp_tier.py::Test-Bad "
+            "test_dspark_dp_tier.py::A.b.c "
+            "::TestA "
+            "test_off_classes.py::TestA "
+            "nope.py::TestA "
+            "test_dspark_dp_tier.py::TestDisabledPath"
+        )
+        self.assertEqual(proc.returncode, 1)
+        bad = "bad spec; use file.py, file.py::TestClass or file.py::TestClass.test_method"
+        self.assertEqual(
+            proc.stderr.splitlines(),
+            [
+                f"error: test_dspark_dp_tier.py::TestNope: no class TestNope in {tier}",
+                f"error: test_dspark_dp_tier.py::TestNested: "
+                f"no class TestNested in {tier}",
+                f"error: test_dspark_dp_tier.py::TestDisabledPath.test_on: "
+                f"class TestDisabledPath in {tier} has no method test_on",
+                f"error: test_dspark_dp_tier.py::helper: no class helper in {tier}",
+                "error: test_dp.py::TestEnabledPath: no class TestEnabledPath in "
+                "test/registered/spec/dspark/test_dp.py",
+                f"error: test_dspark_dp_tier.py::Test-Bad: {bad}",
+                f"error: test_dspark_dp_tier.py::A.b.c: {bad}",
+                f"error: ::TestA: {bad}",
+                "error: test_off_classes.py::TestA: "
+                "test/registered/test_off_classes.py is disabled: broken",
+                "error: nope.py::TestA: "
+                "no test file with that name under test/registered/",
+            ],
+        )
+        # The good spec is still answered.
+        self.assertEqual(
+            proc.stdout.splitlines()[:2],
+            [
+                "ubuntu-latest (1 test):",
+                "  cd test/ && python3 "
+                "registered/spec/dspark/test_dspark_dp_tier.py TestDisabledPath",
+            ],
+        )
+
+    def test_cli_run_passes_the_selector_to_unittest(self) -> None:
+        proc = self.cli(
+            "/rerun-test test_dspark_dp_tier.py::TestEnabledPath.test_on "
+            "test_dspark_dp_tier.py::TestEnabledPath",
+            "--run",
+        )
+        self.assertEqual(proc.returncode, 1)
+        tier = "registered/spec/dspark/test_dspark_dp_tier.py"
+        # The method alone passes; the class runs both its tests (not
+        # TestDisabledPath's) and fails on test_broken.
+        self.assertRegex(
+            proc.stdout, rf"✅ PASSED {tier} TestEnabledPath\.test_on \(\d+\.\ds\)"
+        )
+        self.assertRegex(proc.stdout, rf"❌ FAILED {tier} TestEnabledPath \(")
+        self.assertIn("broken-marker", proc.stdout)
+        self.assertIn("Ran 2 tests", proc.stdout)
+        self.assertIn("ubuntu-latest: 1 passed, 1 failed", proc.stdout)
+
     def test_run_groups_skips_gpu_groups_without_a_gpu(self) -> None:
         groups = {
-            "ubuntu-latest": ["registered/spec/dspark/test_dp.py"],
-            "1-gpu-h100": ["registered/core/test_gpu.py"],
+            "ubuntu-latest": [rerun_test.Target("registered/spec/dspark/test_dp.py")],
+            "1-gpu-h100": [rerun_test.Target("registered/core/test_gpu.py")],
         }
         out = io.StringIO()
         passed_failed = rerun_test.run_groups(

@@ -27,13 +27,21 @@ def fake_test(registration: str, body: str = "print('ok')") -> str:
     )
 
 
+def touch(name: str) -> str:
+    """A test body that leaves ``name`` in its cwd (test/), proving it ran."""
+    return f"open({name!r}, 'w').close()"
+
+
 class TestRunSuite(CustomTestCase):
     def setUp(self) -> None:
         super().setUp()
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.test_dir = Path(tmp.name)
-        self.write("test_pass.py", fake_test("register_cpu_ci(2, 'fake-a')"))
+        # fake-a (cpu) in file order: sub/test_fail.py fails, then test_pass.py.
+        self.write(
+            "test_pass.py", fake_test("register_cpu_ci(2, 'fake-a')", touch("ran_pass"))
+        )
         self.write(
             "sub/test_fail.py",
             fake_test(
@@ -43,21 +51,51 @@ class TestRunSuite(CustomTestCase):
         )
         self.write(
             "test_off.py",
-            fake_test("register_cpu_ci(1, 'fake-a', disabled='flaky')", "sys.exit(1)"),
+            fake_test("register_cpu_ci(1, 'fake-a', False, 'flaky')", "sys.exit(1)"),
         )
         self.write("test_other.py", fake_test("register_cpu_ci(4.5, 'fake-b')"))
+        # CUDA registrations: one by stage+runner_config, one in a suite named
+        # like a CPU one, which --hw cpu must not pick up.
+        self.write(
+            "test_gpu.py",
+            fake_test(
+                "register_cuda_ci(6, stage='base-b', runner_config='1-gpu-large')",
+                touch("ran_gpu"),
+            ),
+        )
+        self.write(
+            "test_cuda_a.py",
+            fake_test("register_cuda_ci(7, 'fake-a')", touch("ran_cuda_a")),
+        )
 
     def write(self, rel: str, source: str) -> None:
         path = self.test_dir / "registered" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(source)
 
+    def ran(self, marker: str) -> bool:
+        return (self.test_dir / marker).exists()
+
     def run_suite(self, *args: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, str(RUN_SUITE), "--root", str(self.test_dir), *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
-    def test_list_shows_enabled_files_and_total(self) -> None:
-        proc = self.run_suite("--suite", "fake-a", "--list")
+    def test_hw_and_suite_are_required(self) -> None:
+        proc = self.run_suite("--suite", "fake-a")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("usage: run_suite.py", proc.stderr)
+        self.assertIn("error: the following arguments are required: --hw", proc.stderr)
+        self.assertEqual(proc.stdout, "")
+        proc = self.run_suite("--hw", "cpu")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("the following arguments are required: --suite", proc.stderr)
+        proc = self.run_suite("--hw", "rocm", "--suite", "fake-a")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("invalid choice: 'rocm'", proc.stderr)
+        self.assertFalse(self.ran("ran_pass"))
+
+    def test_list_shows_enabled_files_of_that_hw_and_total(self) -> None:
+        proc = self.run_suite("--hw", "cpu", "--suite", "fake-a", "--list")
         self.assertEqual(proc.returncode, 0, proc.stderr)
         self.assertEqual(
             proc.stdout.splitlines(),
@@ -68,45 +106,110 @@ class TestRunSuite(CustomTestCase):
             ],
         )
 
-    def test_unknown_suite_lists_known_ones(self) -> None:
-        proc = self.run_suite("--suite", "nope")
-        self.assertEqual(proc.returncode, 2)
-        self.assertIn("unknown suite 'nope'; known: fake-a, fake-b", proc.stderr)
+    def test_hw_cuda_selects_only_cuda_registrations(self) -> None:
+        proc = self.run_suite("--hw", "cuda", "--suite", "fake-a", "--list")
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(
+            proc.stdout.splitlines(),
+            ["  registered/test_cuda_a.py  7s", "total: 1 files, 7s estimated"],
+        )
+        proc = self.run_suite("--hw", "cuda", "--suite", "base-b-test-1-gpu-large")
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        lines = proc.stdout.splitlines()
+        self.assertIn("[1/1] PASSED registered/test_gpu.py", proc.stdout)
+        self.assertEqual(lines[-1], "1 passed, 0 failed")
+        self.assertTrue(self.ran("ran_gpu"))
+        self.assertFalse(self.ran("ran_cuda_a") or self.ran("ran_pass"))
 
-    def test_run_reports_each_file_and_closing_line(self) -> None:
-        proc = self.run_suite("--suite", "fake-a")
+    def test_unknown_suite_for_that_hw_lists_known_ones(self) -> None:
+        proc = self.run_suite("--hw", "cpu", "--suite", "nope")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn(
+            "error: unknown suite 'nope' for --hw cpu; known: fake-a, fake-b",
+            proc.stderr,
+        )
+        # A CPU-only suite is unknown to --hw cuda.
+        proc = self.run_suite("--hw", "cuda", "--suite", "fake-b")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn(
+            "error: unknown suite 'fake-b' for --hw cuda; "
+            "known: base-b-test-1-gpu-large, fake-a",
+            proc.stderr,
+        )
+        self.assertEqual(proc.stdout, "")
+
+    def test_first_failure_stops_the_run(self) -> None:
+        proc = self.run_suite("--hw", "cpu", "--suite", "fake-a")
+        self.assertEqual(proc.returncode, 1)
+        lines = proc.stdout.splitlines()
+        self.assertRegex(lines[0], r"^\[1/2\] FAILED registered/sub/test_fail.py \(")
+        self.assertIn("boom-marker", proc.stdout)  # the failure's output tail
+        self.assertNotIn("[2/2]", proc.stdout)
+        self.assertFalse(self.ran("ran_pass"))
+        start = next(i for i, line in enumerate(lines) if line.startswith("== "))
+        summary = lines[start:]
+        self.assertRegex(
+            summary[0], r"^== summary: suite fake-a, --hw cpu: 2 files, \d+\.\ds ==$"
+        )
+        self.assertRegex(summary[1], r"^  FAILED   registered/sub/test_fail.py \(")
+        self.assertEqual(
+            summary[2:],
+            [
+                "  NOT RUN  registered/test_pass.py",
+                "1 not run: stopped at the first failure "
+                "(--continue-on-error runs every file)",
+                "0 passed, 1 failed",
+            ],
+        )
+        self.assertNotIn("test_off.py", proc.stdout)
+        self.assertNotIn("test_cuda_a.py", proc.stdout)
+
+    def test_continue_on_error_runs_every_file(self) -> None:
+        proc = self.run_suite("--hw", "cpu", "--suite", "fake-a", "--continue-on-error")
         self.assertEqual(proc.returncode, 1)
         lines = proc.stdout.splitlines()
         self.assertEqual(lines[-1], "1 passed, 1 failed")
         self.assertRegex(lines[0], r"^\[1/2\] FAILED registered/sub/test_fail.py \(")
-        self.assertIn("boom-marker", proc.stdout)  # the failure's output tail
         self.assertTrue(
             any(
                 line.startswith("[2/2] PASSED registered/test_pass.py")
                 for line in lines
             )
         )
-        self.assertNotIn("test_off.py", proc.stdout)
+        self.assertTrue(self.ran("ran_pass"))
+        self.assertNotIn("NOT RUN", proc.stdout)
+        self.assertNotIn("not run", proc.stdout)
+        self.assertTrue(
+            any(
+                line.startswith("  PASSED   registered/test_pass.py (")
+                for line in lines
+            )
+        )
 
     def test_passing_suite_exits_zero(self) -> None:
-        proc = self.run_suite("--suite", "fake-b")
+        proc = self.run_suite("--hw", "cpu", "--suite", "fake-b")
         self.assertEqual(proc.returncode, 0, proc.stdout)
-        self.assertEqual(proc.stdout.splitlines()[-1], "1 passed, 0 failed")
+        lines = proc.stdout.splitlines()
+        self.assertRegex(lines[0], r"^\[1/1\] PASSED registered/test_other.py \(")
+        self.assertRegex(lines[1], r"^== summary: suite fake-b, --hw cpu: 1 files, ")
+        self.assertEqual(lines[-1], "1 passed, 0 failed")
 
     def test_timeout_fails_the_file(self) -> None:
         self.write(
             "test_slow.py",
             fake_test("register_cpu_ci(1, 'slow')", "import time; time.sleep(30)"),
         )
-        proc = self.run_suite("--suite", "slow", "--timeout-per-file", "0.5")
+        proc = self.run_suite(
+            "--hw", "cpu", "--suite", "slow", "--timeout-per-file", "0.5"
+        )
         self.assertEqual(proc.returncode, 1)
         self.assertIn("timed out after 0.5s", proc.stdout)
         self.assertEqual(proc.stdout.splitlines()[-1], "0 passed, 1 failed")
 
-    def test_check_passes_on_a_good_tree(self) -> None:
+    def test_check_needs_no_hw_and_passes_on_a_good_tree(self) -> None:
         proc = self.run_suite("--check")
-        self.assertEqual(proc.returncode, 0, proc.stdout)
-        self.assertEqual(proc.stdout.strip(), "registration check: 4 files OK")
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertEqual(proc.stdout.strip(), "registration check: 6 files OK")
 
     def test_check_reports_every_problem(self) -> None:
         self.write("test_unregistered.py", fake_test("x = 1"))
@@ -127,11 +230,11 @@ class TestRunSuite(CustomTestCase):
             "est_time must be a number literal, got Name",
             proc.stdout,
         )
-        self.assertIn("3 problems in 7 files", proc.stdout)
+        self.assertIn("3 problems in 9 files", proc.stdout)
 
     def test_malformed_file_blocks_a_suite_run(self) -> None:
         self.write("test_bad.py", fake_test("register_cpu_ci(est_time=0, suite='a')"))
-        proc = self.run_suite("--suite", "fake-a", "--list")
+        proc = self.run_suite("--hw", "cpu", "--suite", "fake-a", "--list")
         self.assertEqual(proc.returncode, 2)
         self.assertIn("registered/test_bad.py:3:", proc.stderr)
 

@@ -1,7 +1,13 @@
 """CI registration: each test file names its CI suite with a no-op call.
 
 A test file calls ``register_cpu_ci(...)`` or ``register_cuda_ci(...)`` at
-module level. The calls do nothing at run time; ``test/run_suite.py`` and
+module level, with upstream SGLang's signature::
+
+    register_cuda_ci(est_time, suite=None, nightly=False, disabled=None,
+                     *, stage=None, runner_config=None)
+
+It names either a ``suite`` or a ``stage`` plus ``runner_config`` pair, whose
+suite is "<stage>-test-<runner_config>" (e.g. "base-b-test-1-gpu-large"). The calls do nothing at run time; ``test/run_suite.py`` and
 ``scripts/ci/rerun_test.py`` read them back from the file's syntax tree, so
 listing a suite never imports a test (or torch).
 """
@@ -31,7 +37,8 @@ RUNNER_LABELS: dict[str, str] = {
 }
 
 _BACKENDS = {"register_cpu_ci": "cpu", "register_cuda_ci": "cuda"}
-_POSITIONAL = ("est_time", "suite")
+# Upstream's positional order: est_time, suite, nightly, disabled.
+_POSITIONAL = ("est_time", "suite", "nightly", "disabled")
 _STR_ARGS = ("suite", "stage", "runner_config", "disabled")
 _KNOWN_ARGS = ("est_time", "nightly") + _STR_ARGS
 
@@ -39,11 +46,11 @@ _KNOWN_ARGS = ("est_time", "nightly") + _STR_ARGS
 def register_cpu_ci(
     est_time: float,
     suite: Optional[str] = None,
+    nightly: bool = False,
+    disabled: Optional[str] = None,
     *,
     stage: Optional[str] = None,
     runner_config: Optional[str] = None,
-    nightly: bool = False,
-    disabled: Optional[str] = None,
 ) -> None:
     """Register this file for a CPU CI suite; a no-op read by the parser."""
     return None
@@ -52,11 +59,11 @@ def register_cpu_ci(
 def register_cuda_ci(
     est_time: float,
     suite: Optional[str] = None,
+    nightly: bool = False,
+    disabled: Optional[str] = None,
     *,
     stage: Optional[str] = None,
     runner_config: Optional[str] = None,
-    nightly: bool = False,
-    disabled: Optional[str] = None,
 ) -> None:
     """Register this file for a CUDA CI suite; a no-op read by the parser."""
     return None
@@ -81,10 +88,13 @@ class CIRegistration:
 
     @property
     def effective_suite(self) -> str:
-        """The suite run_suite matches: ``suite``, else "<stage>-<runner_config>"."""
+        """The suite run_suite matches: ``suite``, else "<stage>-test-<runner_config>".
+
+        E.g. stage="base-b", runner_config="1-gpu-large" -> "base-b-test-1-gpu-large".
+        """
         if self.suite is not None:
             return self.suite
-        return f"{self.stage}-{self.runner_config}"
+        return f"{self.stage}-test-{self.runner_config}"
 
 
 def _describe(node: ast.expr) -> str:
@@ -118,8 +128,8 @@ def _parse_call(call: ast.Call, func: str, path: PathLike) -> CIRegistration:
 
     if len(call.args) > len(_POSITIONAL):
         fail(
-            f"takes at most 2 positional arguments (est_time, suite), "
-            f"got {len(call.args)}"
+            f"takes at most {len(_POSITIONAL)} positional arguments "
+            f"({', '.join(_POSITIONAL)}), got {len(call.args)}"
         )
     nodes: dict[str, ast.expr] = {}
     for name, arg in zip(_POSITIONAL, call.args):
