@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
     plain = Engine(speculative_algorithm=None, **common)
     dspark = Engine(
         speculative_algorithm="DSPARK",
-        speculative_num_draft_tokens=args.gamma,
+        # Upstream's speculative_num_draft_tokens is the verify width, gamma + 1.
+        speculative_num_draft_tokens=None if args.gamma is None else args.gamma + 1,
         **common,
     )
     vocab = plain.vocab_size
@@ -151,7 +152,13 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--gamma", type=int, default=None, help="default: the draft's")
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="draft block size gamma (the engine's speculative_num_draft_tokens "
+        "is gamma + 1); default: the draft's block size",
+    )
     p.add_argument("--model-path", default=None, help="default: embedded tiny-moe")
     p.add_argument("--device", default=None, help="default: cuda when present")
     p.add_argument("--disable-cuda-graph", action="store_true")

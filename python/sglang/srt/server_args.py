@@ -5,11 +5,8 @@ from typing import List, Optional
 
 import torch
 
-from sglang.srt.models.registry import (
-    DEFAULT_MODEL_PATH,
-    get_draft_config,
-    get_target_preset,
-)
+from sglang.srt.arg_groups.speculative_hook import _handle_dspark
+from sglang.srt.models.registry import DEFAULT_MODEL_PATH, get_target_preset
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
 
@@ -19,7 +16,8 @@ class ServerArgs:
     model_path: Optional[str] = None  # None: the embedded default pair
     speculative_algorithm: Optional[str] = None  # None or "DSPARK"
     speculative_draft_model_path: Optional[str] = None  # None: the bundled draft
-    speculative_num_draft_tokens: Optional[int] = None  # gamma; None: draft's block
+    # The verify width, gamma + 1 (upstream's meaning); None: draft's block + 1.
+    speculative_num_draft_tokens: Optional[int] = None
     device: Optional[str] = None  # None: cuda when present, else cpu
     random_seed: int = 0
     cuda_graph_bs: Optional[List[int]] = None  # padded buckets
@@ -39,17 +37,7 @@ class ServerArgs:
                 f"got {self.speculative_algorithm!r}"
             )
         if self.speculative_algorithm == "DSPARK":
-            if self.speculative_draft_model_path is None:
-                if preset.bundled_draft is None:
-                    raise ValueError(
-                        f"model {self.model_path!r} bundles no DSpark draft; pass "
-                        "speculative_draft_model_path"
-                    )
-                self.speculative_draft_model_path = preset.bundled_draft
-            if self.speculative_num_draft_tokens is None:
-                draft = get_draft_config(self.speculative_draft_model_path)
-                self.speculative_num_draft_tokens = draft.block_size
-            get_draft_config(self.speculative_draft_model_path)
+            _handle_dspark(self)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.cuda_graph_bs is None:
@@ -74,6 +62,11 @@ class ServerArgs:
                 f"cuda_graph_bs must be non-empty and <= max_running_requests="
                 f"{self.max_running_requests}, got {self.cuda_graph_bs}"
             )
+
+    @property
+    def speculative_dspark_block_size(self) -> int:
+        """gamma: the draft block, one less than the verify width."""
+        return self.speculative_num_draft_tokens - 1
 
     @property
     def use_cuda_graph(self) -> bool:

@@ -6,7 +6,7 @@ from typing import Iterator, List
 
 import torch
 
-from sglang.srt.distributed.parallel_state import ParallelState, set_parallel
+from sglang.srt.runtime_context import get_parallel
 
 
 class CustomTestCase(unittest.TestCase):
@@ -19,8 +19,8 @@ class CustomTestCase(unittest.TestCase):
     def setUp(self) -> None:
         super().setUp()
         torch.manual_seed(0)
-        set_parallel(ParallelState())
-        self.addCleanup(set_parallel, ParallelState())
+        get_parallel().reset()
+        self.addCleanup(get_parallel().reset)
 
 
 def cuda_available() -> bool:

@@ -7,7 +7,7 @@ import numpy as np
 
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
-from sglang.srt.speculative.dspark.config import DSparkConfig
+from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
@@ -170,7 +170,7 @@ class TestBadConfig(CustomTestCase):
 
     def test_engine_arguments(self):
         for kwargs, needle in (
-            ({"speculative_num_draft_tokens": 0}, "gamma must be an int >= 1, got 0"),
+            ({"speculative_num_draft_tokens": 0}, "must be an int >= 2, got 0"),
             ({"max_running_requests": 0}, "max_running_requests .* got 0"),
             ({"context_length": 10_000}, "context_length=10000"),
             ({"cuda_graph_bs": [1, 64]}, "cuda_graph_bs"),

@@ -14,7 +14,7 @@ import torch
 
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.speculative.dspark.draft import DraftProposal
+from sglang.srt.speculative.dspark_components.dspark_draft import DraftProposal
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 

@@ -12,8 +12,8 @@ from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool, TokenSlotAl
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.registry import load_draft, load_target
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative.dspark.config import DSparkConfig
-from sglang.srt.speculative.dspark.worker import DSparkWorker
+from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
+from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
 
 
 class Engine:
@@ -68,7 +68,7 @@ class Engine:
             self.dspark_config = DSparkConfig.from_models(
                 draft=draft.config,
                 target=cfg,
-                gamma=args.speculative_num_draft_tokens,
+                gamma=args.speculative_dspark_block_size,
             )
             self.worker = DSparkWorker(
                 target_worker=target_worker,

@@ -10,21 +10,26 @@ request never runs out of KV and no committed token is lost.
 import numbers
 import time
 from collections import deque
-from typing import Deque, List, Optional, Union
+from typing import TYPE_CHECKING, Deque, List, Optional, Union
 
 import torch
 
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenSlotAllocator
-from sglang.srt.speculative.dspark.worker import DSparkWorker
+
+if TYPE_CHECKING:
+    from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
+
+# A worker with device, lookahead, prefill(*, req) and decode_step(*, batch).
+DecodeWorker = Union[TpModelWorker, "DSparkWorker"]
 
 
 class Scheduler:
     def __init__(
         self,
         *,
-        worker: Union[TpModelWorker, DSparkWorker],
+        worker: "DecodeWorker",
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenSlotAllocator,
         max_running_requests: int,
@@ -36,7 +41,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
         # Speculation may write up to gamma positions past the last token.
-        self.lookahead = worker.gamma if isinstance(worker, DSparkWorker) else 0
+        self.lookahead = worker.lookahead
         self.waiting: Deque[Req] = deque()
         self.running: List[Req] = []
         self._batch: Optional[ScheduleBatch] = None

@@ -14,9 +14,6 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.tiny_moe import ModelOutput, TinyMoEForCausalLM
 
-# One rule for every batch that reaches the MoE: the helper of the patch.
-from sglang.srt.speculative.dspark.draft import _make_num_token_non_padded
-
 
 class TpModelWorker:
     def __init__(
@@ -30,6 +27,9 @@ class TpModelWorker:
         self.model, self.model_runner = model, model_runner
         self.device, self.generator = device, generator
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.lookahead = 0  # plain decoding writes only the next position
+        # Filled per batch only when EP > 1 reads it; never re-allocated.
+        self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=device)
 
     def enable_decode_graphs(self) -> None:
         self.model_runner.add_graph_runner(
@@ -46,7 +46,7 @@ class TpModelWorker:
         output and the batch (its positions and slots)."""
         n = len(req.origin_input_ids)
         positions = torch.arange(n, device=self.device)
-        forward_batch = ForwardBatch(
+        forward_batch = ForwardBatch.init_new(
             forward_mode=ForwardMode.EXTEND,
             batch_size=1,
             tokens_per_req=n,
@@ -55,11 +55,10 @@ class TpModelWorker:
             out_cache_loc=self.req_to_token[req.req_pool_idx, :n],
             req_pool_indices=torch.tensor([req.req_pool_idx], device=self.device),
             kv_lens=positions + 1,
-            num_token_non_padded=_make_num_token_non_padded(n, self.device),
-            num_token_non_padded_cpu=n,
             capture_hidden_mode=(
                 CaptureHiddenMode.FULL if capture_hidden else CaptureHiddenMode.NULL
             ),
+            num_token_non_padded_buffer=self._num_token_non_padded,
         )
         out = self.model_runner.forward(forward_batch)
         temperature = req.sampling_params.temperature
@@ -76,7 +75,7 @@ class TpModelWorker:
         """One token per request; advances the batch's device state in place."""
         bs = batch.batch_size
         positions = batch.seq_lens - 1
-        forward_batch = ForwardBatch(
+        forward_batch = ForwardBatch.init_new(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
             tokens_per_req=1,
@@ -85,8 +84,7 @@ class TpModelWorker:
             out_cache_loc=self.req_to_token[batch.req_pool_indices, positions],
             req_pool_indices=batch.req_pool_indices,
             kv_lens=batch.seq_lens,
-            num_token_non_padded=_make_num_token_non_padded(bs, self.device),
-            num_token_non_padded_cpu=bs,
+            num_token_non_padded_buffer=self._num_token_non_padded,
         )
         logits = self.model_runner.forward(forward_batch).logits
         next_ids = sample_tokens(

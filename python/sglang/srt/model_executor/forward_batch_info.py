@@ -1,5 +1,10 @@
 """The batch a model forward reads, and who needs ``num_token_non_padded``.
 
+``ForwardBatch.init_new`` is the construction path for target batches
+(prefill, plain decode, verify): it makes the scalar under
+``enable_num_token_non_padded()``. The DSpark draft block is built by the
+proposer, through its own helper (``dspark_draft._make_num_token_non_padded``).
+
 Layout: every request in a batch contributes the same number of rows
 (``tokens_per_req``): 1 for decode, gamma for the DSpark draft block,
 gamma + 1 for target verify, the prompt length for a single-request extend.
@@ -12,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sglang.srt.distributed.parallel_state import get_parallel
+from sglang.srt.runtime_context import get_parallel
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
@@ -83,6 +88,50 @@ class ForwardBatch:
                 f"req_pool_indices has {self.req_pool_indices.shape[0]} rows, "
                 f"expected batch_size = {self.batch_size}"
             )
+
+    @classmethod
+    def init_new(
+        cls,
+        *,
+        forward_mode: ForwardMode,
+        batch_size: int,
+        tokens_per_req: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        kv_lens: torch.Tensor,
+        capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
+        num_token_non_padded_buffer: Optional[torch.Tensor] = None,  # [] int32
+    ) -> "ForwardBatch":
+        """A target batch; ``num_token_non_padded`` is None unless EP > 1 reads it.
+
+        When it is read, the count is filled into ``num_token_non_padded_buffer``
+        (a caller's buffer allocated once: a kernel fill, no host-to-device
+        copy), or into a new device scalar when no buffer is given.
+        """
+        num_tokens = batch_size * tokens_per_req
+        scalar = None
+        if enable_num_token_non_padded():
+            if num_token_non_padded_buffer is None:
+                scalar = torch.full(
+                    (), num_tokens, dtype=torch.int32, device=input_ids.device
+                )
+            else:
+                scalar = num_token_non_padded_buffer.fill_(num_tokens)
+        return cls(
+            forward_mode=forward_mode,
+            batch_size=batch_size,
+            tokens_per_req=tokens_per_req,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            kv_lens=kv_lens,
+            num_token_non_padded=scalar,
+            num_token_non_padded_cpu=num_tokens,
+            capture_hidden_mode=capture_hidden_mode,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,13 @@ from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
-PREDICATE = "sglang.srt.speculative.dspark.draft.enable_num_token_non_padded"
+PREDICATE = (
+    "sglang.srt.speculative.dspark_components.dspark_draft.enable_num_token_non_padded"
+)
+# Target batches get the scalar from forward_batch_info's construction path.
+TARGET_PREDICATE = (
+    "sglang.srt.model_executor.forward_batch_info.enable_num_token_non_padded"
+)
 PROMPTS = [[7, 3, 9, 1], [4, 4, 8], [12, 50, 2, 77, 5]]
 PARAMS = {"max_new_tokens": 10}
 ENGINE_ARGS = dict(
@@ -121,7 +127,10 @@ class TestDSparkExpertParallel(CustomTestCase):
                     cls.ranks.append(json.load(f))
         cls.single = _run(Engine(**ENGINE_ARGS))
         # One process, but with the scalar forced on, as EP would have it.
-        with mock.patch(PREDICATE, return_value=True):
+        with (
+            mock.patch(PREDICATE, return_value=True),
+            mock.patch(TARGET_PREDICATE, return_value=True),
+        ):
             cls.single_masked = _run(Engine(**ENGINE_ARGS))
 
     def test_experts_split_over_ranks(self):

@@ -6,16 +6,18 @@ from unittest import mock
 import torch
 
 from sglang import Engine
-from sglang.srt.distributed.parallel_state import ParallelState, set_parallel
 from sglang.srt.managers.schedule_batch import Req, SamplingParams, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 register_cuda_ci(est_time=20, stage="base-b", runner_config="1-gpu-large")
 
-PREDICATE = "sglang.srt.speculative.dspark.draft.enable_num_token_non_padded"
+PREDICATE = (
+    "sglang.srt.speculative.dspark_components.dspark_draft.enable_num_token_non_padded"
+)
 
 
 class TestDraftBlockProposer(CustomTestCase):
@@ -111,8 +113,8 @@ class TestDraftBlockProposer(CustomTestCase):
         self.assertEqual(self.seen[-1].num_token_non_padded_cpu, bs * self.gamma)
 
         # EP size 2 set explicitly: the predicate turns on at the call site.
-        set_parallel(ParallelState(moe_ep_size=2, moe_ep_rank=0))
-        _, on = self._propose(batch)
+        with get_parallel().override(moe_ep_size=2, moe_ep_rank=0):
+            _, on = self._propose(batch)
         scalar = self.seen[-1].num_token_non_padded
         self.assertEqual(scalar.dtype, torch.int32)
         self.assertEqual(scalar.device.type, torch.device(self.device).type)
@@ -121,7 +123,6 @@ class TestDraftBlockProposer(CustomTestCase):
         # The scalar masks only padded rows: real rows' arithmetic is unchanged.
         self.assertEqual(on.draft_tokens.tolist(), tokens_off.tolist())
 
-        set_parallel(ParallelState())
         with mock.patch(PREDICATE, return_value=True):
             _, patched = self._propose(batch)
         self.assertEqual(int(self.seen[-1].num_token_non_padded), bs * self.gamma)

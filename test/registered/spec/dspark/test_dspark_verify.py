@@ -5,7 +5,7 @@ import unittest
 
 import torch
 
-from sglang.srt.speculative.dspark.verify import (
+from sglang.srt.speculative.dspark_components.dspark_verify import (
     VerifyResult,
     greedy_verify,
     rejection_verify,

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed.parallel_state import get_parallel
 from sglang.srt.layers.moe.topk import select_experts
+from sglang.srt.runtime_context import get_parallel
 
 
 class EPMoE(nn.Module):

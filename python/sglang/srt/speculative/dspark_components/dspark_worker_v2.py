@@ -17,14 +17,14 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.models.dspark_draft import DSparkDraftModel
-from sglang.srt.speculative.dspark.config import DSparkConfig
-from sglang.srt.speculative.dspark.draft import (
-    DraftBlockProposer,
+from sglang.srt.models.dspark import DSparkDraftModel
+from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
+from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
+from sglang.srt.speculative.dspark_components.dspark_planner import (
     VerifyWindow,
-    _make_num_token_non_padded,
+    VerifyWindowPlanner,
 )
-from sglang.srt.speculative.dspark.verify import verify
+from sglang.srt.speculative.dspark_components.dspark_verify import verify
 
 
 class DSparkWorker:
@@ -41,6 +41,8 @@ class DSparkWorker:
         self.target_worker = target_worker
         self.draft_model, self.draft_runner = draft_model, draft_runner
         self.config, self.gamma = config, config.gamma
+        # KV positions a step may write past the last committed token.
+        self.lookahead = config.gamma
         self.device = target_worker.device
         self.generator = target_worker.generator
         self.req_to_token = target_worker.req_to_token
@@ -61,14 +63,17 @@ class DSparkWorker:
             max_batch_size=max_batch_size,
             device=self.device,
         )
+        self.planner = VerifyWindowPlanner(
+            req_to_token=self.req_to_token,
+            gamma=self.gamma,
+            max_batch_size=max_batch_size,
+            device=self.device,
+        )
         # Per-step buffers, allocated once at the largest batch.
         shape, dev = (max_batch_size, self.gamma + 1), self.device
-        self._offsets = torch.arange(self.gamma + 1, device=dev) - 1
-        self._positions = torch.zeros(shape, dtype=torch.int64, device=dev)
         self._kv_lens = torch.zeros(shape, dtype=torch.int64, device=dev)
         self._verify_ids = torch.zeros(shape, dtype=torch.int64, device=dev)
-        self._table_index = torch.zeros(shape, dtype=torch.int64, device=dev)
-        self._slots = torch.zeros(shape, dtype=torch.int64, device=dev)
+        self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=dev)
 
     def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
         # Target hidden states of these rows become the draft's context KV.
@@ -87,20 +92,9 @@ class DSparkWorker:
         return first
 
     def window(self, batch: ScheduleBatch) -> VerifyWindow:
-        positions = self._positions[: batch.batch_size]  # [bs, gamma + 1]
-        torch.add(batch.seq_lens.unsqueeze(1), self._offsets, out=positions)
-        # slots[b, j] = req_to_token[req_pool_indices[b], positions[b, j]],
-        # gathered from the flat table into a preallocated buffer.
-        index = self._table_index[: batch.batch_size]
-        width = self.req_to_token.shape[1]
-        torch.add(
-            positions, batch.req_pool_indices.unsqueeze(1), alpha=width, out=index
+        return self.planner.plan(
+            seq_lens=batch.seq_lens, req_pool_indices=batch.req_pool_indices
         )
-        slots = self._slots[: batch.batch_size]
-        torch.index_select(
-            self.req_to_token.view(-1), 0, index.view(-1), out=slots.view(-1)
-        )
-        return VerifyWindow(positions=positions, out_cache_loc=slots)
 
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
         bs, gamma = batch.batch_size, self.gamma
@@ -113,8 +107,7 @@ class DSparkWorker:
         verify_ids[:, 1:].copy_(proposal.draft_tokens)
         kv_lens = self._kv_lens[:bs]
         torch.add(window.positions, 1, out=kv_lens)  # causal
-        rows = bs * (gamma + 1)
-        forward_batch = ForwardBatch(
+        forward_batch = ForwardBatch.init_new(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
             tokens_per_req=gamma + 1,
@@ -123,9 +116,8 @@ class DSparkWorker:
             out_cache_loc=window.out_cache_loc.view(-1),
             req_pool_indices=batch.req_pool_indices,
             kv_lens=kv_lens.view(-1),
-            num_token_non_padded=_make_num_token_non_padded(rows, self.device),
-            num_token_non_padded_cpu=rows,
             capture_hidden_mode=CaptureHiddenMode.FULL,
+            num_token_non_padded_buffer=self._num_token_non_padded,
         )
         out = self.target_worker.model_runner.forward(forward_batch)
         result = verify(

@@ -16,17 +16,23 @@ from sglang.srt.model_executor.forward_batch_info import (
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.models.dspark_draft import DSparkDraftModel
-    from sglang.srt.speculative.dspark.config import DSparkConfig
+    from sglang.srt.models.dspark import DSparkDraftModel
+    from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
+    from sglang.srt.speculative.dspark_components.dspark_planner import VerifyWindow
 
 
 def _make_num_token_non_padded(
-    num_tokens: int, device: torch.device | str
+    num_tokens: int,
+    device: torch.device | str,
+    *,
+    out: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """The int32 device scalar the EP MoE router reads, or None when unread.
 
-    Building it is a host-to-device copy every decode step; on EP size 1
-    nothing reads it, so nothing is made.
+    Building it per step was a host-to-device copy on every decode step; on
+    EP size 1 nothing reads it, so nothing is made. With ``out`` (an int32
+    0-dim buffer on ``device``, allocated once) the count is filled in place
+    instead of building a new tensor.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
         raise ValueError(
@@ -37,17 +43,15 @@ def _make_num_token_non_padded(
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if not enable_num_token_non_padded():
         return None
+    if out is not None:
+        if out.dtype != torch.int32 or out.dim() != 0:
+            raise ValueError(
+                f"out must be a 0-dim int32 tensor, got {out.dtype} {tuple(out.shape)}"
+            )
+        return out.fill_(int(num_tokens))
     return torch.tensor(int(num_tokens), dtype=torch.int32).to(
         device, non_blocking=True
     )
-
-
-@dataclass(frozen=True)
-class VerifyWindow:
-    """The gamma + 1 positions and KV slots of one verify step."""
-
-    positions: torch.Tensor  # [bs, gamma + 1]: seq_len - 1 .. seq_len - 1 + gamma
-    out_cache_loc: torch.Tensor  # [bs, gamma + 1]
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class DraftBlockProposer:
         self._out_cache_loc = torch.zeros(shape, dtype=torch.int64, device=device)
         self._kv_lens = torch.zeros(shape, dtype=torch.int64, device=device)
         self._draft_tokens = torch.zeros(shape, dtype=torch.int64, device=device)
+        # Filled per step only when EP > 1 reads it; never re-allocated.
+        self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=device)
         vocab = draft_model.lm_head.weight.shape[0]
         self._draft_logits = torch.zeros(shape + (vocab,), device=device)
 
@@ -92,7 +98,7 @@ class DraftBlockProposer:
         self,
         *,
         batch: "ScheduleBatch",
-        window: VerifyWindow,
+        window: "VerifyWindow",
         generator: Optional[torch.Generator] = None,
     ) -> DraftProposal:
         bs, gamma = batch.batch_size, self.gamma
@@ -118,7 +124,9 @@ class DraftBlockProposer:
             out_cache_loc=out_cache_loc.view(-1),
             req_pool_indices=batch.req_pool_indices,
             kv_lens=kv_lens.view(-1),
-            num_token_non_padded=_make_num_token_non_padded(bs * gamma, self.device),
+            num_token_non_padded=_make_num_token_non_padded(
+                bs * gamma, self.device, out=self._num_token_non_padded
+            ),
             num_token_non_padded_cpu=bs * gamma,
         )
         base = self.draft_runner.forward(forward_batch).logits.view(bs, gamma, -1)

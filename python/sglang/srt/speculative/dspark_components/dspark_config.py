@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from sglang.srt.models.dspark_draft import DSparkDraftConfig
+from sglang.srt.models.dspark import DSparkDraftConfig
 from sglang.srt.models.tiny_moe import TinyMoEConfig
 
 

@@ -1,0 +1,106 @@
+"""Upstream SGLang's module paths and names: an upstream diff or test applies
+here unchanged, and the pre-port paths are gone (one home per concept)."""
+
+import ast
+import importlib
+import unittest
+from pathlib import Path
+
+import sglang
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=3, suite="base-a-test-cpu")
+
+SRT = Path(sglang.__file__).resolve().parent / "srt"
+
+# upstream module -> names a porter imports from it
+UPSTREAM = {
+    "sglang.srt.speculative.dspark_components.dspark_draft": (
+        "_make_num_token_non_padded",
+        "DraftBlockProposer",
+        "DraftProposal",
+        "enable_num_token_non_padded",
+    ),
+    "sglang.srt.speculative.dspark_components.dspark_planner": ("VerifyWindow",),
+    "sglang.srt.speculative.dspark_components.dspark_config": ("DSparkConfig",),
+    "sglang.srt.speculative.dspark_components.dspark_verify": ("verify",),
+    "sglang.srt.speculative.dspark_components.dspark_worker_v2": ("DSparkWorker",),
+    "sglang.srt.models.dspark": ("DSparkDraftModel",),
+    "sglang.srt.runtime_context": ("get_parallel",),
+    "sglang.srt.model_executor.forward_batch_info": (
+        "ForwardBatch",
+        "ForwardMode",
+        "CaptureHiddenMode",
+        "enable_num_token_non_padded",
+    ),
+    "sglang.srt.arg_groups.speculative_hook": (
+        "_handle_dspark",
+        "_target_checkpoint_bundles_dspark_draft",
+    ),
+    "sglang.test.ci.ci_register": ("register_cpu_ci", "register_cuda_ci"),
+    "sglang.test.test_utils": ("CustomTestCase",),
+}
+
+GONE = (
+    "sglang.srt.speculative.dspark",
+    "sglang.srt.speculative.dspark.draft",
+    "sglang.srt.models.dspark_draft",
+)
+
+
+class TestUpstreamLayout(CustomTestCase):
+    def test_upstream_paths_import(self):
+        for module, names in UPSTREAM.items():
+            with self.subTest(module=module):
+                mod = importlib.import_module(module)
+                for name in names:
+                    self.assertTrue(hasattr(mod, name), f"{module}.{name}")
+
+    def test_old_paths_are_gone(self):
+        for module in GONE:
+            with self.subTest(module=module):
+                with self.assertRaises(ModuleNotFoundError):
+                    importlib.import_module(module)
+        self.assertFalse((SRT / "speculative" / "dspark").exists())
+        from sglang.srt.distributed import parallel_state
+
+        for old in ("ParallelState", "set_parallel"):
+            self.assertFalse(hasattr(parallel_state, old), old)
+
+    def test_one_predicate_object(self):
+        from sglang.srt.model_executor import forward_batch_info
+        from sglang.srt.speculative.dspark_components import dspark_draft
+
+        self.assertIs(
+            dspark_draft.enable_num_token_non_padded,
+            forward_batch_info.enable_num_token_non_padded,
+        )
+
+    def test_managers_import_no_private_speculative_names(self):
+        for path in sorted((SRT / "managers").glob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and "speculative" in (
+                    node.module or ""
+                ):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    with self.subTest(file=path.name, module=node.module):
+                        self.assertEqual(private, [])
+
+    def test_only_the_proposer_calls_the_draft_helper(self):
+        callers = []
+        for path in sorted(SRT.rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "_make_num_token_non_padded"
+                ):
+                    callers.append(path.relative_to(SRT).as_posix())
+        self.assertEqual(callers, ["speculative/dspark_components/dspark_draft.py"])
+
+
+if __name__ == "__main__":
+    unittest.main()
