@@ -26,6 +26,10 @@ class ServerArgs:
     max_total_tokens: int = 4096  # KV slots
     context_length: int = 512  # per-request positions
     eos_token_id: Optional[int] = None
+    # torch intra-op threads for this process; None: 1 on CPU (the slice's ops
+    # are tiny and dispatch-bound, so more threads only add sync and
+    # oversubscription), torch's default on CUDA (the host only launches).
+    num_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.model_path is None:
@@ -40,6 +44,16 @@ class ServerArgs:
             _handle_dspark(self)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.num_threads is None and not self.device.startswith("cuda"):
+            self.num_threads = 1
+        if self.num_threads is not None and (
+            isinstance(self.num_threads, bool)
+            or not isinstance(self.num_threads, int)
+            or self.num_threads < 1
+        ):
+            raise ValueError(
+                f"num_threads must be an int >= 1, got {self.num_threads!r}"
+            )
         if self.cuda_graph_bs is None:
             self.cuda_graph_bs = [
                 b for b in (1, 2, 4, 8, 16, 32) if b < self.max_running_requests

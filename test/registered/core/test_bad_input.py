@@ -20,6 +20,7 @@ PARAMS = {"max_new_tokens": 12}
 class TestBadRequests(CustomTestCase):
     @classmethod
     def setUpClass(cls):
+        super().setUpClass()
         cls.engine = Engine(
             speculative_algorithm="DSPARK",
             device="cpu",

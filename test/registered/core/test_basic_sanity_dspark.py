@@ -62,6 +62,7 @@ class OracleProposer:
 class TestDSparkMatchesPlainGreedy(CustomTestCase):
     @classmethod
     def setUpClass(cls):
+        super().setUpClass()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         kw = dict(device=device, random_seed=0, max_running_requests=8)
         cls.plain = Engine(speculative_algorithm=None, **kw)

@@ -20,6 +20,8 @@ class Engine:
     def __init__(self, **kwargs) -> None:
         self.server_args = args = ServerArgs(**kwargs)
         device = torch.device(args.device)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)  # process-wide, as torch has it
         self.generator = torch.Generator(device=device).manual_seed(args.random_seed)
         target = load_target(args.model_path, seed=args.random_seed, device=device)
         cfg = target.config

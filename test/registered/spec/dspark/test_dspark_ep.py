@@ -119,6 +119,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 class TestDSparkExpertParallel(CustomTestCase):
     @classmethod
     def setUpClass(cls):
+        super().setUpClass()
         with tempfile.TemporaryDirectory() as out_dir:
             mp.spawn(_rank_main, args=(2, _free_port(), out_dir), nprocs=2, join=True)
             cls.ranks = []
