@@ -11,14 +11,16 @@ def sample_tokens(
     logits: torch.Tensor,  # [N, vocab]
     temperatures: Optional[torch.Tensor],  # [N]; 0 = greedy; None = all greedy
     generator: Optional[torch.Generator] = None,
+    out: Optional[torch.Tensor] = None,  # [N] int64, filled in place when given
 ) -> torch.Tensor:  # [N] int64
-    greedy = logits.argmax(dim=-1)
+    """Greedy batches (``temperatures`` None) with ``out`` allocate nothing."""
+    greedy = torch.argmax(logits, dim=-1, out=out)
     if temperatures is None:
         return greedy
     probs = temperature_probs(logits, temperatures)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(temperatures > 0, sampled, greedy)
+    return torch.where(temperatures > 0, sampled, greedy, out=out)
 
 
 def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

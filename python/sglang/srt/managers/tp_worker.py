@@ -23,6 +23,7 @@ class TpModelWorker:
         model_runner: ModelRunner,
         device,
         generator: Optional[torch.Generator] = None,
+        max_batch_size: Optional[int] = None,
     ) -> None:
         self.model, self.model_runner = model, model_runner
         self.device, self.generator = device, generator
@@ -30,6 +31,15 @@ class TpModelWorker:
         self.lookahead = 0  # plain decoding writes only the next position
         # Filled per batch only when EP > 1 reads it; never re-allocated.
         self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=device)
+        # Decode-step buffers at the largest batch (default: every request row
+        # of the pool; row 0 is the dummy request).
+        if max_batch_size is None:
+            max_batch_size = self.req_to_token.shape[0] - 1
+        self.max_batch_size = max_batch_size
+        self._positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self._table_index = torch.zeros_like(self._positions)
+        self._out_cache_loc = torch.zeros_like(self._positions)
+        self._next_ids = torch.zeros_like(self._positions)
 
     def enable_decode_graphs(self) -> None:
         self.model_runner.add_graph_runner(
@@ -74,21 +84,39 @@ class TpModelWorker:
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
         """One token per request; advances the batch's device state in place."""
         bs = batch.batch_size
-        positions = batch.seq_lens - 1
+        if bs > self.max_batch_size:
+            raise ValueError(
+                f"batch of {bs} exceeds max_batch_size={self.max_batch_size}"
+            )
+        positions = torch.sub(batch.seq_lens, 1, out=self._positions[:bs])  # [bs]
+        # out_cache_loc[b] = req_to_token[req_pool_indices[b], positions[b]],
+        # gathered from the flat table into a preallocated buffer.
+        index = torch.add(
+            positions,
+            batch.req_pool_indices,
+            alpha=self.req_to_token.shape[1],
+            out=self._table_index[:bs],
+        )
+        out_cache_loc = torch.index_select(
+            self.req_to_token.view(-1), 0, index, out=self._out_cache_loc[:bs]
+        )
         forward_batch = ForwardBatch.init_new(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
             tokens_per_req=1,
             input_ids=batch.last_ids,
             positions=positions,
-            out_cache_loc=self.req_to_token[batch.req_pool_indices, positions],
+            out_cache_loc=out_cache_loc,
             req_pool_indices=batch.req_pool_indices,
             kv_lens=batch.seq_lens,
             num_token_non_padded_buffer=self._num_token_non_padded,
         )
         logits = self.model_runner.forward(forward_batch).logits
         next_ids = sample_tokens(
-            logits=logits, temperatures=batch.temperatures, generator=self.generator
+            logits=logits,
+            temperatures=batch.temperatures,
+            generator=self.generator,
+            out=self._next_ids[:bs],
         )
         batch.seq_lens.add_(1)
         batch.last_ids.copy_(next_ids)

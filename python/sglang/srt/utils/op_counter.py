@@ -10,10 +10,14 @@ compare variants without timing noise.
 - ``int32_scalars``: new 0-dim int32 tensors (what ``num_token_non_padded``
   is made of); ``torch.tensor(n)`` counts through ``aten.lift_fresh``;
 - ``h2d_copies``: copies from host memory into a device tensor.
+
+``count_calls`` routes chosen methods (the model forwards) through a second,
+nested counter, so a step's own glue is the outer count minus the inner one.
 """
 
 from collections import Counter
-from typing import Dict, List, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,3 +72,41 @@ class OpCounter(TorchDispatchMode):
             "int32_scalars": self.int32_scalars,
             "h2d_copies": self.h2d_copies,
         }
+
+
+@contextmanager
+def count_calls(targets: Sequence[Tuple[object, str]]) -> Iterator[OpCounter]:
+    """Count every call of ``getattr(obj, name)`` for each target in one counter.
+
+    The counter is entered only around those calls. Inside an outer
+    ``OpCounter`` both count each op (a mode dispatches to the modes below
+    it), so ``outer.allocs - inner.allocs`` is what happened outside them.
+    The methods are restored on exit.
+    """
+    inner = OpCounter()
+    depth = [0]  # a counted call inside another is counted once
+    saved = []
+    for obj, name in targets:
+        original = getattr(obj, name)
+        # An instance attribute (e.g. another spy) is put back as it was.
+        saved.append((obj, name, obj.__dict__.get(name)))
+
+        def counted(*args, _original=original, **kwargs):
+            if depth[0]:
+                return _original(*args, **kwargs)
+            depth[0] += 1
+            try:
+                with inner:
+                    return _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(obj, name, counted)
+    try:
+        yield inner
+    finally:
+        for obj, name, own in reversed(saved):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)

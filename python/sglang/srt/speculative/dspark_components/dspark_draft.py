@@ -93,7 +93,12 @@ class DraftBlockProposer:
         self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=device)
         vocab = draft_model.lm_head.weight.shape[0]
         self._draft_logits = torch.zeros(shape + (vocab,), device=device)
+        # The Markov head's per-slot intermediates: W1[x] and W2(W1[x]).
+        rank = draft_model.markov_w1.weight.shape[1]
+        self._markov_hidden = torch.zeros(max_batch_size, rank, device=device)
+        self._markov_correction = torch.zeros(max_batch_size, vocab, device=device)
 
+    @torch.no_grad()  # the Markov head's out= ops read trainable weights
     def propose(
         self,
         *,
@@ -114,7 +119,7 @@ class DraftBlockProposer:
         out_cache_loc.copy_(window.out_cache_loc[:, :gamma])
         # Non-causal: every block row sees the context and the whole block.
         kv_lens = self._kv_lens[:bs]
-        kv_lens.copy_((positions[:, -1:] + 1).expand(bs, gamma))
+        kv_lens.copy_(positions[:, -1:].expand(bs, gamma)).add_(1)
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
@@ -131,14 +136,23 @@ class DraftBlockProposer:
         )
         base = self.draft_runner.forward(forward_batch).logits.view(bs, gamma, -1)
         tokens, logits = self._draft_tokens[:bs], self._draft_logits[:bs]
+        hidden = self._markov_hidden[:bs]  # [bs, rank]
+        correction = self._markov_correction[:bs]  # [bs, vocab]
+        # DSparkDraftModel.markov_correction's arithmetic (embedding row, then
+        # the bias-free linear), written into the buffers instead of new tensors.
+        w1 = self.draft_model.markov_w1.weight  # [vocab, rank]
+        w2_t = self.draft_model.markov_w2.weight.t()  # [rank, vocab]
         prev = batch.last_ids
         for k in range(gamma):  # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)])
-            logits_k = base[:, k] + self.draft_model.markov_correction(prev)
-            tokens[:, k] = sample_tokens(
-                logits=logits_k, temperatures=batch.temperatures, generator=generator
+            torch.index_select(w1, 0, prev, out=hidden)
+            torch.mm(hidden, w2_t, out=correction)
+            logits_k = torch.add(base[:, k], correction, out=logits[:, k])
+            sample_tokens(
+                logits=logits_k,
+                temperatures=batch.temperatures,
+                generator=generator,
+                out=tokens[:, k],
             )
-            if batch.temperatures is not None:
-                logits[:, k] = logits_k
             prev = tokens[:, k]
         return DraftProposal(
             draft_tokens=tokens,

@@ -21,6 +21,26 @@ class VerifyResult:
     output_ids: torch.Tensor  # [bs, gamma + 1]
 
 
+class VerifyBuffers:
+    """Greedy verify's per-step tensors, allocated once at the largest batch.
+
+    A result computed into them is a set of views, valid until the next verify
+    that uses the same buffers.
+    """
+
+    def __init__(self, *, max_batch_size: int, gamma: int, device) -> None:
+        self.max_batch_size = max_batch_size
+        rows, dev = (max_batch_size, gamma + 1), device
+        self.target = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.matched = torch.zeros(
+            (max_batch_size, gamma), dtype=torch.bool, device=dev
+        )
+        self.run = torch.zeros((max_batch_size, gamma), dtype=torch.int64, device=dev)
+        self.accept_lens = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        self.bonus_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        self.output_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+
+
 def _leading_run(accepted: torch.Tensor) -> torch.Tensor:
     # accepted: [bs, gamma] bool per draft -> [bs] length of the leading True run
     return accepted.long().cumprod(dim=1).sum(dim=1)
@@ -32,11 +52,42 @@ def _result(draft_tokens, accept_lens, bonus) -> VerifyResult:
     return VerifyResult(accept_lens=accept_lens, bonus_ids=bonus, output_ids=output_ids)
 
 
+def _greedy_verify_into(
+    draft_tokens: torch.Tensor,  # [bs, gamma]
+    target_logits: torch.Tensor,  # [bs, gamma + 1, vocab]
+    buffers: VerifyBuffers,
+) -> VerifyResult:
+    """``greedy_verify``'s arithmetic with ``out=`` ops: no new tensors."""
+    bs, gamma = draft_tokens.shape
+    if bs > buffers.max_batch_size:
+        raise ValueError(
+            f"batch of {bs} exceeds the verify buffers' max_batch_size="
+            f"{buffers.max_batch_size}"
+        )
+    target = torch.argmax(target_logits, dim=-1, out=buffers.target[:bs])
+    matched = torch.eq(draft_tokens, target[:, :-1], out=buffers.matched[:bs])
+    run = torch.cumprod(matched, dim=1, dtype=torch.int64, out=buffers.run[:bs])
+    accept_lens = torch.sum(run, dim=1, out=buffers.accept_lens[:bs])
+    bonus = buffers.bonus_ids[:bs]
+    torch.gather(target, 1, accept_lens.unsqueeze(1), out=bonus.unsqueeze(1))
+    # As _result: the drafts, the first draft in the spare column, the bonus
+    # scattered in at the accept length.
+    output_ids = buffers.output_ids[:bs]
+    output_ids[:, :gamma].copy_(draft_tokens)
+    output_ids[:, gamma].copy_(draft_tokens[:, 0])
+    output_ids.scatter_(1, accept_lens.unsqueeze(1), bonus.unsqueeze(1))
+    return VerifyResult(accept_lens=accept_lens, bonus_ids=bonus, output_ids=output_ids)
+
+
 def greedy_verify(
     *,
     draft_tokens: torch.Tensor,  # [bs, gamma]
     target_logits: torch.Tensor,  # [bs, gamma + 1, vocab]
+    buffers: Optional[VerifyBuffers] = None,
 ) -> VerifyResult:
+    """With ``buffers`` the result is views of them (see ``VerifyBuffers``)."""
+    if buffers is not None:
+        return _greedy_verify_into(draft_tokens, target_logits, buffers)
     target = target_logits.argmax(dim=-1)  # [bs, gamma + 1]
     accept_lens = _leading_run(draft_tokens == target[:, :-1])
     bonus = target.gather(1, accept_lens.unsqueeze(1)).squeeze(1)
@@ -77,9 +128,15 @@ def verify(
     target_logits: torch.Tensor,  # [bs, gamma + 1, vocab]
     temperatures: Optional[torch.Tensor],  # [bs]; None = all greedy
     generator: Optional[torch.Generator] = None,
+    buffers: Optional[VerifyBuffers] = None,
 ) -> VerifyResult:
-    """Greedy rows (temperature 0) match prefixes; the others rejection-sample."""
-    greedy = greedy_verify(draft_tokens=draft_tokens, target_logits=target_logits)
+    """Greedy rows (temperature 0) match prefixes; the others rejection-sample.
+
+    An all-greedy batch verified into ``buffers`` allocates nothing.
+    """
+    greedy = greedy_verify(
+        draft_tokens=draft_tokens, target_logits=target_logits, buffers=buffers
+    )
     if temperatures is None:
         return greedy
     if draft_logits is None:

@@ -24,7 +24,7 @@ from sglang.srt.speculative.dspark_components.dspark_planner import (
     VerifyWindow,
     VerifyWindowPlanner,
 )
-from sglang.srt.speculative.dspark_components.dspark_verify import verify
+from sglang.srt.speculative.dspark_components.dspark_verify import VerifyBuffers, verify
 
 
 class DSparkWorker:
@@ -74,6 +74,9 @@ class DSparkWorker:
         self._kv_lens = torch.zeros(shape, dtype=torch.int64, device=dev)
         self._verify_ids = torch.zeros(shape, dtype=torch.int64, device=dev)
         self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=dev)
+        self.verify_buffers = VerifyBuffers(
+            max_batch_size=max_batch_size, gamma=self.gamma, device=dev
+        )
 
     def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
         # Target hidden states of these rows become the draft's context KV.
@@ -126,10 +129,11 @@ class DSparkWorker:
             target_logits=out.logits.view(bs, gamma + 1, -1),
             temperatures=batch.temperatures,
             generator=self.generator,
+            buffers=self.verify_buffers,
         )
         # Commit every row: rows past the accepted ones are overwritten next step.
         self._commit_to_draft(out.aux_hidden_states, forward_batch)
-        batch.seq_lens.add_(result.accept_lens + 1)
+        batch.seq_lens.add_(result.accept_lens).add_(1)  # committed = accepted + 1
         batch.last_ids.copy_(result.bonus_ids)
         accept_lens = result.accept_lens.tolist()
         output_ids = result.output_ids.tolist()
