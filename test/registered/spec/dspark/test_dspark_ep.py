@@ -2,7 +2,9 @@
 
 Each rank holds half the experts; the draft and verify batches carry the
 int32 scalar, padded rows are masked so no rank computes them, and the
-greedy output equals the single-process run.
+greedy output equals the single-process run. The scalar lives in buffers
+allocated once: every decode step, counted with OpCounter, creates no int32
+0-dim tensor and copies nothing from the host, on either rank.
 """
 
 import json
@@ -20,6 +22,7 @@ import torch.multiprocessing as mp
 from sglang import Engine
 from sglang.srt.distributed.parallel_state import init_parallel_from_distributed
 from sglang.srt.layers.moe.ep_moe import EPMoE
+from sglang.srt.utils.op_counter import OpCounter, count_calls
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -83,12 +86,37 @@ def _run(engine) -> dict:
 
         runner.forward = spy
     rows = _count_expert_rows(engine)
+    step_counts = _count_decode_steps(engine)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     return {
         "output_ids": [o["output_ids"] for o in outs],
         "scalars": scalars,
         "expert_rows": rows[0],
+        "step_counts": step_counts,
     }
+
+
+def _count_decode_steps(engine) -> list:
+    """Count every decode step: [int32 0-dim tensors, H2D copies, allocations
+    outside the model forwards, aten ops] (prefill is not a decode step)."""
+    counts = []
+    worker = engine.worker
+    decode_step = worker.decode_step
+    forwards = [
+        (worker.draft_runner, "forward"),
+        (worker.target_worker.model_runner, "forward"),
+        (worker.draft_model, "write_context"),
+    ]
+
+    def counted(*, batch):
+        with count_calls(forwards) as model, OpCounter() as step:
+            out = decode_step(batch=batch)
+        glue_allocs = step.allocs - model.allocs
+        counts.append([step.int32_scalars, step.h2d_copies, glue_allocs, step.ops])
+        return out
+
+    worker.decode_step = counted
+    return counts
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -165,6 +193,16 @@ class TestDSparkExpertParallel(CustomTestCase):
         self.assertEqual(total, self.single_masked["expert_rows"])
         self.assertLess(total, self.single["expert_rows"])
         self.assertEqual(self.single_masked["output_ids"], self.single["output_ids"])
+
+    def test_steps_create_no_scalar_on_either_rank(self):
+        # Enabled path: the draft's and the verify's buffers are filled in
+        # place, so no step creates a scalar, copies from host or allocates glue.
+        for rank in self.ranks + [self.single, self.single_masked]:
+            steps = rank["step_counts"]
+            self.assertEqual(len(steps), len(self.single["step_counts"]))
+            self.assertGreater(len(steps), 3)
+            self.assertEqual([s[:3] for s in steps], [[0, 0, 0]] * len(steps))
+            self.assertGreater(min(s[3] for s in steps), 100)  # the step was seen
 
     def test_greedy_output_equals_single_process(self):
         for rank in self.ranks:

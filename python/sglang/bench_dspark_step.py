@@ -1,0 +1,548 @@
+"""The seed's measurement: DSpark scheduler-step time before / after / fixed.
+
+    python -m sglang.bench_dspark_step --concurrency 1 8 --steps-per-capture 128
+
+Three variants of the ``num_token_non_padded`` handling run in ONE process,
+interleaved block by block (the order rotates every repeat):
+
+- ``before``: no scalar anywhere on the draft/verify path;
+- ``after``: the regression: the proposer builds
+  ``torch.tensor(n, dtype=torch.int32).to(device, non_blocking=True)`` every
+  step, also at EP size 1 (reproduced here by patching the helper for the
+  length of a block; never in the library). At EP 1 nothing reads it, as
+  upstream (its graph runner copies the scalar only under the predicate), so
+  the only difference is the build itself: the cost the seed measured;
+- ``fixed``: the library as shipped.
+
+A block is one capture: ``C`` fresh requests with the same fixed prompts,
+greedy; after the admission step (prefill, untimed) the next
+``--steps-per-capture`` scheduler steps are timed, and the rest drains
+untimed. Greedy runs are deterministic, so every variant's block runs the
+same steps and the blocks pair up. Printed per concurrency: upstream's table
+(mean ms per scheduler step, reduction of fixed vs after), the median and a
+95% CI of the paired after/fixed ratio and of before/fixed (two identical
+paths at EP 1: the noise floor), and per decode step and variant the int32
+0-dim tensors created, host-to-device copies, aten ops and allocations,
+counted exactly with ``OpCounter``. On a CPU the seed's effect (a GPU
+launch/copy stall) does not exist; the honest evidence there is the count.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from unittest import mock
+
+import torch
+from tqdm import tqdm
+
+from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.model_executor import forward_batch_info
+from sglang.srt.speculative.dspark_components import dspark_draft
+from sglang.srt.utils.op_counter import OpCounter, count_calls
+
+VARIANTS = ("before", "after", "fixed")
+
+
+def regressed_make_num_token_non_padded(num_tokens, device, *, out=None):
+    """Upstream between the regression and the fix: built on every step."""
+    scalar = torch.tensor(int(num_tokens), dtype=torch.int32).to(
+        device, non_blocking=True
+    )
+    # Read only under EP > 1, as upstream's consumers have it.
+    return scalar if dspark_draft.enable_num_token_non_padded() else None
+
+
+def _no_scalar(num_tokens, device, *, out=None):
+    return None
+
+
+@contextmanager
+def variant(name: str) -> Iterator[None]:
+    """Run the enclosed steps as ``name``; module attributes restored on exit."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
+    with ExitStack() as stack:
+        helper = {"before": _no_scalar, "after": regressed_make_num_token_non_padded}
+        if name in helper:
+            stack.enter_context(
+                mock.patch.object(
+                    dspark_draft, "_make_num_token_non_padded", helper[name]
+                )
+            )
+        if name == "before":  # the verify batch is built by ForwardBatch.init_new
+            stack.enter_context(
+                mock.patch.object(
+                    forward_batch_info, "enable_num_token_non_padded", lambda: False
+                )
+            )
+        yield
+
+
+@dataclass(frozen=True)
+class Block:
+    output_ids: List[List[int]]
+    step_s: List[float]  # timed scheduler steps
+    batch_sizes: List[int]  # running requests at each timed step
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Per decode step, the mean over the counted steady-state steps."""
+
+    int32_scalars: float
+    h2d_copies: float
+    ops: float
+    allocs: float
+    glue_allocs: float  # outside the draft/target forwards and the KV commit
+    by_op: Dict[str, int]  # totals over the counted steps
+    int32_scalar_sites: List[str]
+
+
+class _Bench:
+    def __init__(self, args: argparse.Namespace, concurrency: int) -> None:
+        self.args, self.concurrency = args, concurrency
+        self.engine = Engine(
+            speculative_algorithm="DSPARK",
+            model_path=args.model_path,
+            device=args.device,
+            random_seed=args.seed,
+            max_running_requests=concurrency,
+            max_total_tokens=max(
+                4096, concurrency * (args.input_len + args.output_len + 16) + 1
+            ),
+            disable_cuda_graph=args.disable_cuda_graph,
+            num_threads=args.num_threads,
+        )
+        self.is_cuda = self.engine.server_args.device.startswith("cuda")
+        rng = random.Random(args.seed)
+        vocab = self.engine.vocab_size
+        # Fixed inputs; the last id (the draft's mask token) left out.
+        self.prompts = [
+            [rng.randrange(vocab - 1) for _ in range(args.input_len)]
+            for _ in range(concurrency)
+        ]
+        self._rids = itertools.count()
+
+    def run_block(
+        self,
+        *,
+        max_new_tokens: int,
+        steps: int,
+        per_step: Callable[[], object] = nullcontext,
+        window=None,
+        on_step: Optional[Callable[[], None]] = None,
+    ) -> Block:
+        """Admit fresh requests, then run ``steps`` measured scheduler steps
+        (each inside ``per_step()``, all inside ``window``); drain the rest."""
+        sched = self.engine.scheduler
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        reqs = [
+            Req(rid=next(self._rids), origin_input_ids=list(p), sampling_params=params)
+            for p in self.prompts
+        ]
+        for req in reqs:
+            sched.add_request(req)
+        sched.step()  # admission: prefill and the first decode step
+        times, sizes = [], []
+        with ExitStack() as stack:
+            if window is not None:
+                stack.enter_context(window)
+            while sched.has_work() and len(times) < steps:
+                sizes.append(len(sched.running))
+                with per_step():
+                    start = time.perf_counter()
+                    sched.step()
+                    if self.is_cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                if on_step is not None:
+                    on_step()
+        while sched.has_work():
+            sched.step()
+        return Block(
+            output_ids=[list(r.output_ids) for r in reqs],
+            step_s=times,
+            batch_sizes=sizes,
+        )
+
+    def count(self, name: str) -> StepCounts:
+        """Exact counts over ``--count-steps`` steady-state decode steps."""
+        worker, k = self.engine.worker, self.args.count_steps
+        totals: Counter = Counter()
+        by_op: Counter = Counter()
+        sites: List[str] = []
+        forwards = [
+            (worker.draft_runner, "forward"),
+            (worker.target_worker.model_runner, "forward"),
+            (worker.draft_model, "write_context"),
+        ]
+
+        @contextmanager
+        def counted_step():
+            with count_calls(forwards) as model, OpCounter() as step:
+                yield
+            totals.update(step.counts())
+            totals["glue_allocs"] += step.allocs - model.allocs
+            by_op.update(step.by_op)
+            sites.extend(step.int32_scalar_sites)
+
+        # Enough tokens that no request finishes inside the counted steps.
+        max_new_tokens = 2 + k * (self.engine.dspark_config.gamma + 1)
+        with variant(name):
+            block = self.run_block(
+                max_new_tokens=max_new_tokens, steps=k, per_step=counted_step
+            )
+        n = max(len(block.step_s), 1)
+        return StepCounts(
+            int32_scalars=totals["int32_scalars"] / n,
+            h2d_copies=totals["h2d_copies"] / n,
+            ops=totals["ops"] / n,
+            allocs=totals["allocs"] / n,
+            glue_allocs=totals["glue_allocs"] / n,
+            by_op=dict(by_op),
+            int32_scalar_sites=sites,
+        )
+
+
+def scalar_own_ops(device: str) -> Dict[str, int]:
+    """The aten ops of building the regressed scalar once, on ``device``."""
+    with OpCounter() as c:
+        torch.tensor(1, dtype=torch.int32).to(device, non_blocking=True)
+    return dict(c.by_op)
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+_T975 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+_T975 += (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> Dict:
+    """Median of the per-block ratios; 95% CI of their geometric mean (t over
+    log ratios). ``resolvable``: the CI excludes 1."""
+    ratios = [a / b for a, b in zip(num, den)]
+    out = {"ratios": ratios, "median": statistics.median(ratios)}
+    if len(ratios) < 2:
+        return dict(out, ci95=None, resolvable=False)
+    logs = [math.log(r) for r in ratios]
+    df = len(logs) - 1
+    # Beyond the table, the Cornish-Fisher expansion of t is within 1e-3.
+    t = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.37 / df
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    return dict(out, ci95=[lo, hi], resolvable=not lo <= 1.0 <= hi)
+
+
+def _sub(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
+    keys = sorted(set(a) | set(b))
+    return {k: a.get(k, 0) - b.get(k, 0) for k in keys if a.get(k, 0) != b.get(k, 0)}
+
+
+def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
+    """Every concurrency, on this process (one rank of EP when ``--ep-size`` > 1)."""
+    rows = []
+    per_block = args.steps_per_capture
+    total = len(args.concurrency) * args.repeats * len(VARIANTS) * per_block
+    bar = tqdm(
+        total=total,
+        desc="bench_dspark_step",
+        unit="step",
+        file=sys.stderr,
+        disable=rank != 0,
+    )
+    for c in args.concurrency:
+        b = _Bench(args, c)
+        # Warm-up: allocator, lazy padded batches and graph captures per variant.
+        for name in VARIANTS:
+            with variant(name):
+                b.run_block(max_new_tokens=4, steps=2)
+        counts = {name: b.count(name) for name in VARIANTS}
+        blocks = {name: [] for name in VARIANTS}
+        reference = None
+        equal = True
+        for r in range(args.repeats):
+            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]  # rotate against drift
+            for name in order:
+                bar.set_postfix_str(f"C={c} {name}")
+                with variant(name):
+                    block = b.run_block(
+                        max_new_tokens=args.output_len,
+                        steps=per_block,
+                        on_step=lambda: bar.update(1),
+                    )
+                blocks[name].append(block)
+                reference = reference or block.output_ids
+                equal = equal and block.output_ids == reference
+        if args.profile:
+            for name in VARIANTS:
+                prof = torch.profiler.profile(activities=_activities(b.is_cuda))
+                with variant(name):
+                    b.run_block(
+                        max_new_tokens=args.profile_steps + 2,
+                        steps=args.profile_steps,
+                        window=prof,
+                    )
+                suffix = f"_rank{rank}" if args.ep_size > 1 else ""
+                path = os.path.join(
+                    args.profile, f"dspark_step_c{c}_{name}{suffix}.json"
+                )
+                prof.export_chrome_trace(path)
+        means = {
+            name: [1e3 * statistics.fmean(blk.step_s) for blk in blocks[name]]
+            for name in VARIANTS
+        }
+        ms = {name: statistics.fmean(means[name]) for name in VARIANTS}
+        own = scalar_own_ops(b.engine.server_args.device)
+        k = args.count_steps
+        after_minus_fixed = _sub(counts["after"].by_op, counts["fixed"].by_op)
+        timed = blocks["fixed"][0]
+        rows.append(
+            {
+                "concurrency": c,
+                "ms_per_step": ms,
+                "block_ms_per_step": means,
+                "reduction_vs_after_pct": 100
+                * (ms["after"] - ms["fixed"])
+                / ms["after"],
+                "after_over_fixed": paired_ratio(means["after"], means["fixed"]),
+                "before_over_fixed": paired_ratio(means["before"], means["fixed"]),
+                "timed_steps_per_block": len(timed.step_s),
+                "full_batch_steps": sum(s == c for s in timed.batch_sizes),
+                "counts": {name: asdict(v) for name, v in counts.items()},
+                "count_steps": k,
+                "scalar_own_ops": own,
+                "before_equals_fixed": counts["before"].by_op == counts["fixed"].by_op,
+                "after_minus_fixed": after_minus_fixed,
+                "after_is_fixed_plus_scalar": after_minus_fixed
+                == {op: n * k for op, n in own.items()},
+                "greedy_output_equal": equal,
+                "device": b.engine.server_args.device,
+                "cuda_graph": b.engine.server_args.use_cuda_graph,
+                "num_threads": torch.get_num_threads(),
+            }
+        )
+    bar.close()
+    return rows
+
+
+def _activities(is_cuda: bool) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if is_cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from sglang.srt.distributed.parallel_state import init_parallel_from_distributed
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=args.ep_timeout),  # a dead rank ends the run
+    )
+    try:
+        init_parallel_from_distributed(timeout_s=args.ep_timeout)
+        rows = bench(args, rank)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> Dict:
+    """``{"rows": rank 0's rows, "ranks": every rank's rows}``."""
+    if args.ep_size == 1:
+        rows = bench(args)
+        return {"rows": rows, "ranks": [rows]}
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(
+            _rank_main,
+            args=(args.ep_size, _free_port(), args, out_dir),
+            nprocs=args.ep_size,
+            join=True,
+        )
+        ranks = []
+        for r in range(args.ep_size):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    return {"rows": ranks[0], "ranks": ranks}
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if x == int(x) else f"{x:.2f}"
+
+
+def format_report(result: Dict, args: argparse.Namespace) -> str:
+    rows = result["rows"]
+    first = rows[0]
+    lines = [
+        f"DSpark scheduler step, mean ms over {args.repeats} blocks x "
+        f"{args.steps_per_capture} steps per capture ({first['device']}, "
+        f"{'CUDA graphs' if first['cuda_graph'] else 'eager'}, "
+        f"{first['num_threads']} thread(s), EP {args.ep_size}"
+        f"{' (rank 0)' if args.ep_size > 1 else ''}, input {args.input_len}, "
+        f"output {args.output_len}, temperature 0)",
+        "",
+        "| C | before | after | fixed | reduction vs after "
+        "| after/fixed median [95% CI] | before/fixed median [95% CI] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def ratio(r: Dict) -> str:
+        ci = r["ci95"]
+        span = "n/a" if ci is None else f"{ci[0]:.3f}, {ci[1]:.3f}"
+        return f"{r['median']:.3f} [{span}]"
+
+    for r in rows:
+        ms = r["ms_per_step"]
+        lines.append(
+            f"| {r['concurrency']} | {ms['before']:.3f} ms | {ms['after']:.3f} ms "
+            f"| {ms['fixed']:.3f} ms | {r['reduction_vs_after_pct']:.2f}% "
+            f"| {ratio(r['after_over_fixed'])} | {ratio(r['before_over_fixed'])} |"
+        )
+    lines.append("")
+    for r in rows:
+        c, af = r["concurrency"], r["after_over_fixed"]
+        if af["ci95"] is None:
+            verdict = "after vs fixed: one block per variant gives no CI"
+        elif af["resolvable"]:
+            verdict = (
+                f"after/fixed is resolved above the noise: its 95% CI "
+                f"[{af['ci95'][0]:.3f}, {af['ci95'][1]:.3f}] excludes 1"
+            )
+        else:
+            verdict = (
+                "after vs fixed is NOT resolvable above the noise: the 95% CI "
+                f"of after/fixed [{af['ci95'][0]:.3f}, {af['ci95'][1]:.3f}] "
+                "includes 1"
+            )
+        lines.append(
+            f"C={c}: {verdict}. {r['timed_steps_per_block']} timed steps per block, "
+            f"{r['full_batch_steps']} of them with all C={c} requests running."
+        )
+    for rank, rank_rows in enumerate(result["ranks"]):
+        for r in rank_rows:
+            who = f"rank {rank}, " if len(result["ranks"]) > 1 else ""
+            lines += [
+                "",
+                f"Per decode step, {who}C={r['concurrency']} (mean of "
+                f"{r['count_steps']} steady-state steps, OpCounter):",
+                "| variant | int32 0-dim tensors | H2D copies | aten ops | allocations "
+                "| allocations outside the model forwards |",
+                "|---|---|---|---|---|---|",
+            ]
+            for name in VARIANTS:
+                n = r["counts"][name]
+                lines.append(
+                    f"| {name} | {_num(n['int32_scalars'])} | {_num(n['h2d_copies'])} "
+                    f"| {_num(n['ops'])} | {_num(n['allocs'])} "
+                    f"| {_num(n['glue_allocs'])} |"
+                )
+            per_step = {
+                op: d / r["count_steps"] for op, d in r["after_minus_fixed"].items()
+            }
+            lines.append(
+                f"before == fixed op for op: {'yes' if r['before_equals_fixed'] else 'no'}; "
+                f"after - fixed per step: {per_step or 'nothing'}; the scalar's own ops "
+                f"{r['scalar_own_ops']}: "
+                f"{'yes, nothing else' if r['after_is_fixed_plus_scalar'] else 'no'}; "
+                f"greedy output equal across variants: "
+                f"{'yes' if r['greedy_output_equal'] else 'NO'}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=160,
+        help="max_new_tokens per request; enough that the timed window runs "
+        "with every request still running",
+    )
+    p.add_argument("--steps-per-capture", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=10, help="blocks per variant")
+    p.add_argument(
+        "--count-steps", type=int, default=4, help="steps counted per variant"
+    )
+    p.add_argument("--device", default=None, help="default: cuda when present")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads; default: ServerArgs' (1 on CPU)",
+    )
+    p.add_argument(
+        "--ep-size", type=int, default=1, help="> 1 runs that many gloo ranks (CPU)"
+    )
+    p.add_argument("--ep-timeout", type=float, default=120.0, help="seconds")
+    p.add_argument("--model-path", default=None, help="default: embedded tiny-moe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, help="DIR: a chrome trace per variant")
+    p.add_argument("--profile-steps", type=int, default=8)
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    for name in ("input_len", "steps_per_capture", "repeats", "count_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.output_len < 2:  # the first token comes from prefill
+        p.error("--output-len must be >= 2")
+    if min(args.concurrency) < 1:
+        p.error("--concurrency values must be >= 1")
+    if args.ep_size < 1:
+        p.error("--ep-size must be >= 1")
+    if args.num_threads is not None and args.num_threads < 1:
+        p.error("--num-threads must be >= 1")
+    if args.ep_size > 1 and (args.device or "cpu") != "cpu":
+        p.error("--ep-size > 1 runs gloo ranks: CPU only here (--device cpu)")
+    if args.ep_size > 1:
+        args.device = "cpu"
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            p.error(f"--json {args.json}: folder {folder} does not exist")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    result = run(args)
+    print(format_report(result, args), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(result, args=vars(args)), f, indent=2)
+        print(f"wrote {args.json}")
+    ok = all(r["greedy_output_equal"] for rows in result["ranks"] for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""bench_dspark_step: the seed's before / after / fixed measurement, tiny sizes."""
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import unittest
+from unittest import mock
+
+import torch
+
+from sglang import bench_dspark_step
+from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+register_cuda_ci(est_time=30, stage="base-b", runner_config="1-gpu-large")
+
+TINY = [
+    "--input-len", "8", "--output-len", "8", "--steps-per-capture", "4",
+    "--repeats", "2", "--count-steps", "2",
+]  # fmt: skip
+
+
+def _main(argv):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        rc = bench_dspark_step.main(argv)
+    return rc, stdout.getvalue()
+
+
+class TestBenchDSparkStep(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.json_path = os.path.join(cls.tmp.name, "out.json")
+        cls.profile_dir = os.path.join(cls.tmp.name, "traces")
+        argv = TINY + ["--concurrency", "1", "3", "--json", cls.json_path]
+        cls.rc, cls.stdout = _main(argv + ["--profile", cls.profile_dir])
+        with open(cls.json_path) as f:
+            cls.result = json.load(f)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+        super().tearDownClass()
+
+    def test_table_for_each_concurrency(self):
+        self.assertEqual(self.rc, 0)
+        rows = self.result["rows"]
+        self.assertEqual([r["concurrency"] for r in rows], [1, 3])
+        for r in rows:
+            ms = r["ms_per_step"]
+            self.assertEqual(sorted(ms), ["after", "before", "fixed"])
+            self.assertTrue(all(v > 0 for v in ms.values()))
+            for name in ms:  # the table's means are the blocks' means
+                self.assertEqual(len(r["block_ms_per_step"][name]), 2)
+            self.assertAlmostEqual(
+                r["reduction_vs_after_pct"],
+                100 * (ms["after"] - ms["fixed"]) / ms["after"],
+            )
+            ratio = r["after_over_fixed"]
+            lo, hi = ratio["ci95"]
+            self.assertLessEqual(lo, hi)
+            self.assertEqual(ratio["resolvable"], not lo <= 1 <= hi)
+            self.assertEqual(r["timed_steps_per_block"], 4)
+            self.assertTrue(r["greedy_output_equal"])
+            line = f"| {r['concurrency']} | {ms['before']:.3f} ms |"
+            self.assertIn(line, self.stdout)
+        self.assertIn("| C | before | after | fixed | reduction vs after", self.stdout)
+
+    def test_counts_show_the_scalar_only_in_after(self):
+        for r in self.result["rows"]:
+            counts = r["counts"]
+            self.assertEqual(counts["fixed"]["int32_scalars"], 0)
+            self.assertEqual(counts["before"]["int32_scalars"], 0)
+            self.assertEqual(counts["after"]["int32_scalars"], 1)  # the proposer's
+            self.assertEqual(
+                counts["after"]["int32_scalar_sites"], ["aten::lift_fresh"] * 2
+            )
+            self.assertEqual(counts["fixed"]["glue_allocs"], 0)
+            self.assertEqual(counts["after"]["glue_allocs"], 1)
+            self.assertEqual(counts["after"]["allocs"], counts["fixed"]["allocs"] + 1)
+            self.assertTrue(r["before_equals_fixed"])
+            self.assertEqual(r["after_minus_fixed"], {"aten::lift_fresh": 2})
+            self.assertTrue(r["after_is_fixed_plus_scalar"])
+        self.assertIn("before == fixed op for op: yes", self.stdout)
+
+    def test_one_trace_per_variant(self):
+        names = sorted(os.listdir(self.profile_dir))
+        expected = sorted(
+            f"dspark_step_c{c}_{v}.json"
+            for c in (1, 3)
+            for v in bench_dspark_step.VARIANTS
+        )
+        self.assertEqual(names, expected)
+        with open(os.path.join(self.profile_dir, names[0])) as f:
+            self.assertGreater(len(json.load(f)["traceEvents"]), 100)
+
+    def test_json_folder_checked_before_running(self):
+        with mock.patch.object(bench_dspark_step, "run") as run:
+            with self.assertRaises(SystemExit) as cm:
+                _main(TINY + ["--json", "/nonexistent-dir/x.json"])
+        self.assertEqual(cm.exception.code, 2)
+        run.assert_not_called()
+
+    def test_paired_ratio(self):
+        same = bench_dspark_step.paired_ratio([1.1, 2.2, 3.3], [1.0, 2.0, 3.0])
+        self.assertAlmostEqual(same["median"], 1.1)
+        self.assertAlmostEqual(same["ci95"][0], 1.1)
+        self.assertTrue(same["resolvable"])
+        noisy = bench_dspark_step.paired_ratio([0.9, 1.1], [1.0, 1.0])
+        self.assertFalse(noisy["resolvable"])
+        self.assertIsNone(bench_dspark_step.paired_ratio([1.0], [1.0])["ci95"])
+
+    def test_unknown_variant(self):
+        with self.assertRaisesRegex(ValueError, "'later'"):
+            with bench_dspark_step.variant("later"):
+                pass
+
+
+class TestBenchDSparkStepEP2(CustomTestCase):
+    def test_ep2_ranks(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "ep.json")
+            argv = TINY + ["--concurrency", "3", "--ep-size", "2", "--json", path]
+            rc, stdout = _main(argv)
+            with open(path) as f:
+                ranks = json.load(f)["ranks"]
+        self.assertEqual(rc, 0)
+        self.assertIn("EP 2 (rank 0)", stdout)
+        for rank in range(2):
+            self.assertIn(f"Per decode step, rank {rank}, C=3", stdout)
+        self.assertEqual(len(ranks), 2)
+        for rows in ranks:
+            self.assertTrue(rows[0]["greedy_output_equal"])
+            counts = rows[0]["counts"]
+            # The shipped enabled path fills buffers: no scalar created per
+            # step; the regressed helper builds the proposer's every step.
+            self.assertEqual(counts["fixed"]["int32_scalars"], 0)
+            self.assertEqual(counts["fixed"]["h2d_copies"], 0)
+            self.assertEqual(counts["fixed"]["glue_allocs"], 0)
+            self.assertEqual(counts["after"]["int32_scalars"], 1)
+            # `before` sends no scalar, so padded rows are not masked: the
+            # op counts differ from fixed's at EP 2, unlike at EP 1.
+            self.assertFalse(rows[0]["before_equals_fixed"])
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+class TestBenchDSparkStepCUDA(CustomTestCase):
+    def test_cuda_graphs_table_and_counts(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "cuda.json")
+            argv = TINY + ["--concurrency", "1", "--device", "cuda", "--json", path]
+            rc, stdout = _main(argv)
+            with open(path) as f:
+                row = json.load(f)["rows"][0]
+        self.assertEqual(rc, 0)
+        self.assertIn("CUDA graphs", stdout)
+        self.assertTrue(row["cuda_graph"])
+        counts = row["counts"]
+        # On a device the regressed scalar is a host tensor plus its copy.
+        self.assertEqual(counts["after"]["int32_scalars"], 2)
+        self.assertEqual(counts["after"]["h2d_copies"], 1)
+        self.assertEqual(counts["fixed"]["int32_scalars"], 0)
+        self.assertEqual(counts["fixed"]["h2d_copies"], 0)
+        self.assertTrue(row["before_equals_fixed"])
+        self.assertTrue(row["after_is_fixed_plus_scalar"])
+        self.assertTrue(row["greedy_output_equal"])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,201 @@
+"""Allocation guard: real DSpark decode steps of the embedded pair, counted
+exactly with OpCounter.
+
+- EP size 1: the draft and verify paths create no int32 0-dim tensor (the
+  seed's regression made one per step); the guard fails on the regressed
+  helper, so it can fail.
+- The per-step glue (proposer, verify, worker; plain decode too) allocates
+  nothing outside the model forwards, for greedy batches.
+"""
+
+import unittest
+
+import torch
+
+from sglang import Engine
+from sglang.bench_dspark_step import regressed_make_num_token_non_padded, variant
+from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils.op_counter import OpCounter, count_calls
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=8, suite="base-a-test-cpu")
+
+PROMPTS = [[7, 3, 9, 1], [4, 4, 8], [12, 50, 2, 77, 5]]
+STEPS = 3  # counted decode steps, after the admission step
+
+
+def _engine(speculative_algorithm="DSPARK") -> Engine:
+    return Engine(
+        speculative_algorithm=speculative_algorithm,
+        device="cpu",
+        random_seed=0,
+        max_running_requests=4,
+        cuda_graph_bs=[1, 2, 4],  # 3 requests pad to 4: padded rows exist
+    )
+
+
+def _model_forwards(engine):
+    """What counts as the model: both runners' forwards and the KV commit."""
+    worker = engine.worker
+    if hasattr(worker, "proposer"):
+        return [
+            (worker.draft_runner, "forward"),
+            (worker.target_worker.model_runner, "forward"),
+            (worker.draft_model, "write_context"),
+        ]
+    return [(worker.model_runner, "forward")]
+
+
+def count_decode_steps(engine, prompts=PROMPTS, steps=STEPS):
+    """Admit ``prompts`` (untimed, uncounted), then count ``steps`` decode
+    steps one by one: [(whole-step counter, model-forward counter), ...]."""
+    sched = engine.scheduler
+    params = SamplingParams(max_new_tokens=2 + steps * 8)  # nobody finishes
+    for i, ids in enumerate(prompts):
+        sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
+    sched.step()
+    counted = []
+    for _ in range(steps):
+        with count_calls(_model_forwards(engine)) as model, OpCounter() as step:
+            sched.step()
+        if len(sched.running) != len(prompts):
+            raise AssertionError("a request finished inside the counted steps")
+        counted.append((step, model))
+    while sched.has_work():
+        sched.step()
+    return counted
+
+
+class TestNoPerStepScalar(CustomTestCase):
+    def assert_no_int32_scalar(self, counted) -> None:
+        """The guard: no step creates a 0-dim int32 tensor."""
+        for i, (step, _) in enumerate(counted):
+            self.assertEqual(
+                step.int32_scalars,
+                0,
+                f"decode step {i} created {step.int32_scalars} int32 0-dim "
+                f"tensor(s) at EP size 1 (num_token_non_padded is unread there): "
+                f"{step.int32_scalar_sites}",
+            )
+
+    def test_ep1_steps_create_no_int32_scalar(self):
+        counted = count_decode_steps(_engine())
+        self.assert_no_int32_scalar(counted)
+        for step, _ in counted:
+            self.assertEqual(step.h2d_copies, 0)
+            self.assertGreater(step.ops, 100)  # the counter saw the real step
+
+    def test_guard_fails_on_the_regressed_helper(self):
+        engine = _engine()
+        with variant("after"):
+            counted = count_decode_steps(engine)
+        # Exactly the proposer's scalar, once per step.
+        self.assertEqual([s.int32_scalars for s, _ in counted], [1] * STEPS)
+        self.assertEqual(
+            [s.int32_scalar_sites for s, _ in counted], [["aten::lift_fresh"]] * STEPS
+        )
+        with self.assertRaisesRegex(AssertionError, "int32 0-dim"):
+            self.assert_no_int32_scalar(counted)
+
+    def test_regressed_helper_costs_exactly_its_own_ops(self):
+        # before == fixed op for op; after == fixed + torch.tensor(n) (CPU).
+        by_variant = {}
+        for name in ("before", "after", "fixed"):
+            with variant(name):
+                counted = count_decode_steps(_engine())
+            by_variant[name] = [dict(step.by_op) for step, _ in counted]
+        self.assertEqual(by_variant["before"], by_variant["fixed"])
+        for after, fixed in zip(by_variant["after"], by_variant["fixed"]):
+            fixed = dict(fixed)
+            fixed["aten::lift_fresh"] = fixed.get("aten::lift_fresh", 0) + 1
+            self.assertEqual(after, fixed)
+
+    def test_regressed_helper_matches_upstreams_line(self):
+        value = regressed_make_num_token_non_padded(15, "cpu")
+        self.assertIsNone(value)  # EP 1: built, then unread
+        with get_parallel().override(moe_ep_size=2, moe_ep_rank=0):
+            value = regressed_make_num_token_non_padded(15, "cpu")
+        self.assertEqual((value.dtype, value.dim(), int(value)), (torch.int32, 0, 15))
+
+    def test_ep2_predicate_fills_buffers_no_new_scalar(self):
+        # The enabled path (predicate on) fills the buffers allocated once.
+        ep1 = count_decode_steps(_engine())
+        engine = _engine()  # built at EP 1: the experts stay local
+        with get_parallel().override(moe_ep_size=2, moe_ep_rank=0):
+            ep2 = count_decode_steps(engine)
+        for (step, _), (step1, _) in zip(ep2, ep1):
+            self.assertEqual((step.int32_scalars, step.h2d_copies), (0, 0))
+            # Two in-place fills more than EP 1: the draft's and the verify's.
+            fills = "aten::fill_.Scalar"
+            self.assertEqual(step.by_op[fills] - step1.by_op[fills], 2)
+
+
+class TestGlueAllocations(CustomTestCase):
+    """Issue 9 item 3: outside the model forwards a greedy step allocates 0."""
+
+    def _glue(self, counted):
+        return [step.allocs - model.allocs for step, model in counted]
+
+    def test_dspark_step_glue_allocates_nothing(self):
+        for prompts in (PROMPTS[:1], PROMPTS):  # bs 1, and bs 3 padded to 4
+            with self.subTest(bs=len(prompts)):
+                counted = count_decode_steps(_engine(), prompts=prompts)
+                self.assertEqual(self._glue(counted), [0] * STEPS)
+                for step, model in counted:
+                    self.assertGreater(model.allocs, 0)  # the forwards were seen
+                    self.assertLess(model.ops, step.ops)
+
+    def test_plain_step_glue_allocates_nothing(self):
+        counted = count_decode_steps(_engine(speculative_algorithm=None))
+        self.assertEqual(self._glue(counted), [0] * STEPS)
+
+    def test_counted_greedy_output_equals_plain(self):
+        # The buffered glue keeps DSpark greedy == plain greedy, token for token.
+        outs = [
+            _engine(algo).generate(
+                input_ids=PROMPTS, sampling_params={"max_new_tokens": 12}
+            )
+            for algo in ("DSPARK", None)
+        ]
+        self.assertEqual(
+            [o["output_ids"] for o in outs[0]], [o["output_ids"] for o in outs[1]]
+        )
+
+    def test_markov_head_matches_the_models(self):
+        # The proposer's buffered Markov head computes exactly
+        # DSparkDraftModel.markov_correction: same logits, same draft tokens.
+        engine = _engine()
+        proposer, draft = engine.worker.proposer, engine.worker.draft_model
+        seen = {}
+        forward, propose = proposer.draft_runner.forward, proposer.propose
+
+        def spy_forward(forward_batch):
+            out = forward(forward_batch)
+            seen["base"] = out.logits.clone()
+            return out
+
+        def spy_propose(*, batch, window, generator=None):
+            seen["anchor"] = batch.last_ids.clone()
+            proposal = propose(batch=batch, window=window, generator=generator)
+            seen["tokens"] = proposal.draft_tokens.clone()
+            seen["logits"] = proposer._draft_logits[: batch.batch_size].clone()
+            return proposal
+
+        proposer.draft_runner.forward = spy_forward
+        proposer.propose = spy_propose
+        count_decode_steps(engine, steps=1)
+        bs, gamma = len(PROMPTS), proposer.gamma
+        base = seen["base"].view(bs, gamma, -1)
+        prev = torch.cat([seen["anchor"].unsqueeze(1), seen["tokens"][:, :-1]], 1)
+        for k in range(gamma):
+            expected = base[:, k] + draft.markov_correction(prev[:, k])
+            self.assertTrue(torch.equal(seen["logits"][:, k], expected))
+            self.assertEqual(
+                seen["tokens"][:, k].tolist(), expected.argmax(-1).tolist()
+            )
+
+
+if __name__ == "__main__":
+    unittest.main()
