@@ -1,14 +1,97 @@
-"""ServerArgs: the engine's arguments, validated and resolved once."""
+"""ServerArgs: the engine's arguments, validated and resolved once.
 
+Every field is type- and range-checked here, before anything is allocated;
+a bad value is a ValueError naming the field and the value. numpy integer
+and float scalars are accepted and stored as Python numbers. The memory the
+KV pools and the request table will take is computed up front, and a
+configuration that needs more than ``mem_fraction_static`` of the memory
+available on the device now is rejected before any of it is allocated.
+"""
+
+import math
+import numbers
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Union
 
+import numpy as np
 import torch
 
 from sglang.srt.arg_groups.speculative_hook import _handle_dspark
-from sglang.srt.models.registry import DEFAULT_MODEL_PATH, get_target_preset
+from sglang.srt.mem_cache.memory_pool import (
+    KVPool,
+    ReqToTokenPool,
+    available_memory_bytes,
+)
+from sglang.srt.models.registry import (
+    DEFAULT_MODEL_PATH,
+    get_draft_config,
+    get_target_preset,
+)
+from sglang.srt.models.tiny_moe import TinyMoEConfig
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
+KV_CACHE_DTYPE = torch.float32
+_GIB = 1 << 30
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _checked_int(
+    name: str, value, *, lo: int, hi: Optional[int] = None, hi_text: str = ""
+) -> int:
+    """``value`` as a Python int in [lo, hi), or ValueError naming ``name``."""
+    if not _is_int(value) or value < lo or (hi is not None and value >= hi):
+        bound = f"in [{lo}, {hi_text or hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    return int(value)
+
+
+def _checked_float(name: str, value, *, lo: float, hi: float, lo_open: bool) -> float:
+    """``value`` as a finite float in (lo, hi] or [lo, hi]."""
+    ok = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, (bool, np.bool_))
+        and math.isfinite(value)
+        and (value > lo if lo_open else value >= lo)
+        and value <= hi
+    )
+    if not ok:
+        bound = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ValueError(f"{name} must be a finite number in {bound}, got {value!r}")
+    return float(value)
+
+
+def _checked_device(value) -> str:
+    """'cpu' or 'cuda[:N]' from a str or torch.device; CUDA must be present."""
+    if value is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(value, (str, torch.device)):
+        raise ValueError(
+            f"device must be a str or torch.device, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device {value!r} is not a device name") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {value!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={value!r} but no CUDA GPU is available "
+                f"(torch.cuda.is_available() is False); use device='cpu'"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={value!r} but only {torch.cuda.device_count()} CUDA "
+                f"device(s) exist"
+            )
+    return str(device)
 
 
 @dataclass
@@ -18,8 +101,9 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = None  # None: the bundled draft
     # The verify width, gamma + 1 (upstream's meaning); None: draft's block + 1.
     speculative_num_draft_tokens: Optional[int] = None
-    device: Optional[str] = None  # None: cuda when present, else cpu
-    random_seed: int = 0
+    # str or torch.device; None: cuda when present, else cpu. Stored as str.
+    device: Optional[Union[str, torch.device]] = None
+    random_seed: int = 0  # in [0, 2**63)
     cuda_graph_bs: Optional[List[int]] = None  # padded buckets
     disable_cuda_graph: bool = False
     max_running_requests: int = 8
@@ -30,51 +114,140 @@ class ServerArgs:
     # are tiny and dispatch-bound, so more threads only add sync and
     # oversubscription), torch's default on CUDA (the host only launches).
     num_threads: Optional[int] = None
+    # The KV pools and request table may take at most this fraction of the
+    # memory available on the device when the engine starts.
+    mem_fraction_static: float = 0.5
+    # Seconds any collective (EP all-reduce, rank agreement checks) may wait
+    # for a peer before it raises.
+    dist_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.model_path is None:
-            self.model_path = DEFAULT_MODEL_PATH
-        preset = get_target_preset(self.model_path)
-        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(
-                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
-                f"got {self.speculative_algorithm!r}"
-            )
-        if self.speculative_algorithm == "DSPARK":
-            _handle_dspark(self)
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        target_config = self._resolve_model()
+        self._check_speculative()
+        self.device = _checked_device(self.device)
+        self.random_seed = _checked_int(
+            "random_seed", self.random_seed, lo=0, hi=2**63, hi_text="2**63"
+        )
+        for name in ("max_running_requests", "max_total_tokens", "context_length"):
+            setattr(self, name, _checked_int(name, getattr(self, name), lo=1))
         if self.num_threads is None and not self.device.startswith("cuda"):
             self.num_threads = 1
-        if self.num_threads is not None and (
-            isinstance(self.num_threads, bool)
-            or not isinstance(self.num_threads, int)
-            or self.num_threads < 1
-        ):
-            raise ValueError(
-                f"num_threads must be an int >= 1, got {self.num_threads!r}"
+        if self.num_threads is not None:
+            self.num_threads = _checked_int("num_threads", self.num_threads, lo=1)
+        vocab = target_config.vocab_size
+        if self.eos_token_id is not None:
+            self.eos_token_id = _checked_int(
+                "eos_token_id", self.eos_token_id, lo=0, hi=vocab
             )
-        if self.cuda_graph_bs is None:
-            self.cuda_graph_bs = [
-                b for b in (1, 2, 4, 8, 16, 32) if b < self.max_running_requests
-            ] + [self.max_running_requests]
-        for name in ("max_running_requests", "max_total_tokens", "context_length"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        max_position = preset.config.max_position
+        if not isinstance(self.disable_cuda_graph, bool):
+            raise ValueError(
+                f"disable_cuda_graph must be a bool, got {self.disable_cuda_graph!r}"
+            )
+        self.mem_fraction_static = _checked_float(
+            "mem_fraction_static", self.mem_fraction_static, lo=0, hi=1, lo_open=True
+        )
+        self.dist_timeout = _checked_float(
+            "dist_timeout", self.dist_timeout, lo=0, hi=7 * 24 * 3600, lo_open=True
+        )
+        self._check_cuda_graph_bs()
+        max_position = target_config.max_position
         if self.context_length > max_position:
             raise ValueError(
                 f"context_length={self.context_length} exceeds the model's "
                 f"max_position={max_position}"
             )
+        self._check_memory()
+
+    def _resolve_model(self) -> TinyMoEConfig:
+        """The one place a model path becomes a config."""
+        if self.model_path is None:
+            self.model_path = DEFAULT_MODEL_PATH
+        if not isinstance(self.model_path, str):
+            raise ValueError(f"model_path must be a str, got {self.model_path!r}")
+        return get_target_preset(self.model_path).config
+
+    def _draft_num_layers(self) -> int:
+        return get_draft_config(self.speculative_draft_model_path).num_layers
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                f"got {algo!r}"
+            )
+        path = self.speculative_draft_model_path
+        if path is not None and not isinstance(path, str):
+            raise ValueError(
+                f"speculative_draft_model_path must be a str, got {path!r}"
+            )
+        if algo is None:
+            # Options plain decoding would ignore: refuse them rather than drop.
+            for name in (
+                "speculative_draft_model_path",
+                "speculative_num_draft_tokens",
+            ):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} is only used with "
+                        f"speculative_algorithm='DSPARK', got speculative_algorithm="
+                        f"None"
+                    )
+            return
+        _handle_dspark(self)
+
+    def _check_cuda_graph_bs(self) -> None:
+        bs = self.cuda_graph_bs
+        if bs is None:
+            self.cuda_graph_bs = [
+                b for b in (1, 2, 4, 8, 16, 32) if b < self.max_running_requests
+            ] + [self.max_running_requests]
+            return
         if (
-            not self.cuda_graph_bs
-            or max(self.cuda_graph_bs) > self.max_running_requests
+            not isinstance(bs, (list, tuple))
+            or not bs
+            or not all(_is_int(b) and 1 <= b <= self.max_running_requests for b in bs)
         ):
             raise ValueError(
-                f"cuda_graph_bs must be non-empty and <= max_running_requests="
-                f"{self.max_running_requests}, got {self.cuda_graph_bs}"
+                f"cuda_graph_bs must be a non-empty list of ints in [1, "
+                f"max_running_requests={self.max_running_requests}], got {bs!r}"
+            )
+        self.cuda_graph_bs = sorted({int(b) for b in bs})
+
+    def static_memory_bytes(self) -> dict:
+        """Bytes the engine's pools will take: target and draft KV, and the
+        request -> token table (the per-step buffers are small beside them)."""
+        target_config = self._resolve_model()
+        num_layers = target_config.num_layers
+        if self.speculative_algorithm == "DSPARK":
+            num_layers += self._draft_num_layers()
+        return {
+            "kv_pools": KVPool.nbytes_for(
+                num_layers=num_layers,
+                num_slots=self.max_total_tokens,
+                num_heads=target_config.num_heads,
+                head_dim=target_config.head_dim,
+                dtype=KV_CACHE_DTYPE,
+            ),
+            "req_to_token": ReqToTokenPool.nbytes_for(
+                max_reqs=self.max_running_requests,
+                max_context_len=self.context_length,
+            ),
+        }
+
+    def _check_memory(self) -> None:
+        need = self.static_memory_bytes()
+        total = sum(need.values())
+        available = available_memory_bytes(torch.device(self.device))
+        cap = int(self.mem_fraction_static * available)
+        if total > cap:
+            parts = ", ".join(f"{k} {v / _GIB:.3f} GiB" for k, v in need.items())
+            raise ValueError(
+                f"the pools need {total / _GIB:.3f} GiB ({parts}) but "
+                f"mem_fraction_static={self.mem_fraction_static} of the "
+                f"{available / _GIB:.3f} GiB available on {self.device} is "
+                f"{cap / _GIB:.3f} GiB: lower max_total_tokens, "
+                f"max_running_requests or context_length"
             )
 
     @property

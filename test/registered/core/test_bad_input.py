@@ -1,9 +1,14 @@
 """Bad input fails fast with a ValueError naming the value; a rejected
-request never changes the others' outputs."""
+request never changes the others' outputs, and leaves the pools whole.
+
+Token ids may be Python ints or numpy / torch integer scalars of any width;
+they are converted once, before anything is allocated.
+"""
 
 import unittest
 
 import numpy as np
+import torch
 
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
@@ -14,6 +19,10 @@ from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
 GOOD = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+INT_DTYPES += [
+    getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}")
+]
 PARAMS = {"max_new_tokens": 12}
 
 
@@ -37,6 +46,14 @@ class TestBadRequests(CustomTestCase):
     def _assert_good_unchanged(self):
         outs = self.engine.generate(input_ids=GOOD, sampling_params=PARAMS)
         self.assertEqual([o["output_ids"] for o in outs], self.expected)
+        self._assert_pools_whole()
+
+    def _assert_pools_whole(self):
+        sched = self.engine.scheduler
+        sched.check_pool_accounting()  # free + held == total, rows and slots
+        self.assertFalse(sched.has_work())
+        self.assertEqual(self.engine.allocator.available(), 256)
+        self.assertEqual(self.engine.req_to_token_pool.available(), 8)
 
     def test_each_bad_request(self):
         cases = [
@@ -52,6 +69,21 @@ class TestBadRequests(CustomTestCase):
             ([1, 2], {"temperature": -0.5}, "temperature .* got -0.5"),
             ([1, 2], {"temperature": float("inf")}, "temperature .* got inf"),
             ([1, 2], {"top_q": 1}, "top_q"),
+            ([1, np.float32(2)], PARAMS, r"token id np.float32\(2.0\)"),
+            ([1, np.bool_(True)], PARAMS, "token id np.True_"),
+            ([1, np.uint64(2**64 - 1)], PARAMS, "token id np.uint64"),
+            ([1, np.int8(-1)], PARAMS, r"token id np.int8\(-1\)"),
+            ([1, torch.tensor(2.0)], PARAMS, r"token id tensor\(2.\)"),
+            ([1, torch.tensor([2])], PARAMS, r"token id tensor\(\[2\]\)"),
+            ([1, torch.tensor(True)], PARAMS, r"token id tensor\(True\)"),
+            ([1, "2"], PARAMS, "token id '2'"),
+            ([1, None], PARAMS, "token id None at position 1"),
+            ([1, 2], {"temperature": float("nan")}, "temperature .* got nan"),
+            ([1, 2], {"temperature": "0.5"}, "temperature .* got '0.5'"),
+            ([1, 2], {"max_new_tokens": True}, "max_new_tokens .* got True"),
+            ([1, 2], {"max_new_tokens": np.float64(3)}, "max_new_tokens"),
+            ([1, 2], None, "sampling_params must be a dict, got None"),
+            ([1, 2], [("max_new_tokens", 2)], "sampling_params must be a dict"),
         ]
         for ids, params, needle in cases:
             with self.subTest(ids=ids[:3], params=params):
@@ -60,8 +92,23 @@ class TestBadRequests(CustomTestCase):
                 with self.assertRaisesRegex(ValueError, needle) as ctx:
                     self.engine.generate(input_ids=batch, sampling_params=per_req)
                 self.assertIn("input 1", str(ctx.exception))
-                self.assertFalse(self.engine.scheduler.has_work())
+                self._assert_pools_whole()
         self._assert_good_unchanged()
+
+    def test_numpy_and_torch_integer_ids_of_every_width(self):
+        # Each is converted once to a Python int: the output equals the ints'.
+        widths = [np.int8, np.int16, np.int32, np.int64]
+        widths += [np.uint8, np.uint16, np.uint32, np.uint64]
+        widths += [lambda t, d=d: torch.tensor(t, dtype=d) for d in INT_DTYPES]
+        for make in widths:
+            with self.subTest(make=make):
+                batch = [[make(t) for t in ids] for ids in GOOD]
+                outs = self.engine.generate(input_ids=batch, sampling_params=PARAMS)
+                self.assertEqual([o["output_ids"] for o in outs], self.expected)
+                self._assert_pools_whole()
+        params = {"max_new_tokens": np.int64(12), "temperature": np.float32(0)}
+        outs = self.engine.generate(input_ids=GOOD, sampling_params=params)
+        self.assertEqual([o["output_ids"] for o in outs], self.expected)
 
     def test_kv_capacity_is_exact(self):
         # Prompt 8 + 8 new + gamma 5 touches positions 0..19 (the last output
@@ -73,11 +120,6 @@ class TestBadRequests(CustomTestCase):
         self.assertEqual(len(out[0]["output_ids"]), 8)
         with self.assertRaisesRegex(ValueError, "= 21 exceeds the KV capacity 20"):
             engine.generate(input_ids=[[7] * 9], sampling_params={"max_new_tokens": 8})
-
-    def test_numpy_token_ids_accepted(self):
-        ids = [np.int64(t) for t in GOOD[0]]
-        out = self.engine.generate(input_ids=[ids], sampling_params=PARAMS)
-        self.assertEqual(out[0]["output_ids"], self.expected[0])
 
     def test_running_cap_holds_with_spare_request_rows(self):
         # 8 request rows in the pool, but at most 2 may run at once.
@@ -106,6 +148,7 @@ class TestBadRequests(CustomTestCase):
         engine.scheduler.add_request(req)
         with self.assertRaisesRegex(RuntimeError, "prefill failed"):
             engine.scheduler.step()
+        engine.scheduler.check_pool_accounting()
         self.assertEqual(engine.allocator.available(), free_slots)
         self.assertEqual(engine.req_to_token_pool.available(), free_rows)
         self.assertIsNone(req.req_pool_idx)
@@ -133,6 +176,7 @@ class TestBadRequests(CustomTestCase):
         while sched.has_work():
             sched.step()
         self.assertEqual([r.output_ids for r in reqs], self.expected)
+        self._assert_pools_whole()
 
 
 class TestBadConfig(CustomTestCase):

@@ -1,12 +1,27 @@
 """Process groups: build the EP group from an initialized torch.distributed
-world and stamp the layout into the parallel context (``runtime_context``)."""
+world and stamp the layout into the parallel context (``runtime_context``);
+check that the ranks agree before they run collectives that assume it.
 
+Every group is made with a timeout (ServerArgs ``dist_timeout`` when the
+Engine builds them), so a rank that dies or stalls makes the others raise
+instead of hanging. Besides the EP group (the MoE all-reduce) there is a
+gloo group on the CPU for small control messages (the agreement digests),
+as upstream keeps a ``cpu_group`` next to each device group.
+"""
+
+import hashlib
+import json
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from sglang.srt.runtime_context import ParallelContext, get_parallel
+
+DIGEST_BYTES = 32  # sha256
+
+_MOE_EP_CPU_GROUP: Optional[Any] = None
 
 
 def init_parallel_from_distributed(
@@ -16,7 +31,9 @@ def init_parallel_from_distributed(
 
     The world is one TP group and one EP group (both span every rank), the
     layout of an EP-only MoE deployment; ``moe_ep_size`` defaults to the world.
+    Every rank must call this, in the same order (new groups are collective).
     """
+    global _MOE_EP_CPU_GROUP
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialized")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -28,9 +45,10 @@ def init_parallel_from_distributed(
     group = None
     if ep_size > 1:
         # A timeout so that a dead rank ends the run instead of hanging it.
-        group = dist.new_group(
-            ranks=list(range(world)), timeout=timedelta(seconds=timeout_s)
-        )
+        timeout = timedelta(seconds=timeout_s)
+        ranks = list(range(world))
+        group = dist.new_group(ranks=ranks, timeout=timeout)
+        _MOE_EP_CPU_GROUP = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
     parallel = get_parallel()
     parallel.override_permanently(
         tp_size=world,
@@ -40,3 +58,54 @@ def init_parallel_from_distributed(
         moe_ep_group=group,
     )
     return parallel
+
+
+def get_moe_ep_cpu_group():
+    """The EP ranks' gloo group for control messages; None on one process."""
+    if get_parallel().moe_ep_size == 1:
+        return None
+    if _MOE_EP_CPU_GROUP is None:
+        raise ValueError(
+            "moe_ep_size > 1 but no EP groups were built: call "
+            "init_parallel_from_distributed on every rank"
+        )
+    return _MOE_EP_CPU_GROUP
+
+
+def digest_of(value: Any) -> bytes:
+    """sha256 of a JSON-able value (keys sorted), the same on every rank."""
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).digest()
+
+
+def all_gather_digests(*, digest: bytes, group, what: str) -> list:
+    """Every rank's digest, in rank order. A rank that is dead, or does not
+    reach this call within the group's timeout, makes it raise RuntimeError
+    naming ``what``."""
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(digest)}")
+    mine = torch.tensor(list(digest), dtype=torch.uint8)  # [32]
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(gathered, mine, group=group)
+    except RuntimeError as e:  # gloo: peer closed, or timed out
+        raise RuntimeError(
+            f"EP rank {dist.get_rank()}: the ranks did not all answer the {what} "
+            f"check (a rank died, stalled past dist_timeout, or is in another "
+            f"call): {e}"
+        ) from e
+    return [bytes(t.tolist()) for t in gathered]
+
+
+def check_ranks_agree(*, digest: bytes, group, what: str) -> None:
+    """All-gather ``digest`` and raise ValueError on every rank when any two
+    ranks differ: all ranks gather before any raises, so all of them learn."""
+    digests = all_gather_digests(digest=digest, group=group, what=what)
+    if len(set(digests)) > 1:
+        by_digest: dict = {}
+        for rank, d in enumerate(digests):
+            by_digest.setdefault(d.hex()[:12], []).append(rank)
+        raise ValueError(
+            f"EP ranks disagree on {what}: ranks grouped by digest {by_digest}; "
+            f"every rank must be given the same {what}"
+        )

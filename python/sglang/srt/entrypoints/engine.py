@@ -1,24 +1,68 @@
-"""The offline engine: ``Engine(...).generate(input_ids=..., sampling_params=...)``."""
+"""The offline engine: ``Engine(...).generate(input_ids=..., sampling_params=...)``.
 
+Failure handling (see the README's "Failure handling"):
+
+- every request of a call is validated (token ids converted once to Python
+  ints) before anything is queued or allocated;
+- whatever ends a call early (an exception, a raising ``progress`` callback,
+  KeyboardInterrupt) aborts every request of that call and returns every
+  request row and KV slot before the exception leaves ``generate()``;
+- ``generate()`` calls on one engine are serialized by a lock; calling it
+  again from inside its own ``progress`` callback is a RuntimeError;
+- under expert parallelism the ranks agree on the configuration and seed at
+  start-up and on the requests of every call, or all of them raise
+  ValueError; every collective has ``dist_timeout``.
+"""
+
+import dataclasses
 import itertools
+import threading
 from typing import Callable, Dict, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 
+from sglang.srt.distributed.parallel_state import (
+    check_ranks_agree,
+    digest_of,
+    get_moe_ep_cpu_group,
+    init_parallel_from_distributed,
+)
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.registry import load_draft, load_target
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args import KV_CACHE_DTYPE, ServerArgs
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
+
+# Fields that legitimately differ per rank (each rank has its own GPU and
+# threads); every other ServerArgs field must agree over the EP group.
+_PER_RANK_FIELDS = ("device", "num_threads")
+
+
+def _config_digest(args: ServerArgs) -> bytes:
+    fields = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(args)
+        if f.name not in _PER_RANK_FIELDS
+    }
+    fields["device_type"] = torch.device(args.device).type
+    return digest_of(fields)
 
 
 class Engine:
     def __init__(self, **kwargs) -> None:
+        known = {f.name for f in dataclasses.fields(ServerArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {unknown}; known: {sorted(known)}"
+            )
         self.server_args = args = ServerArgs(**kwargs)
+        self._check_group = self._init_expert_parallel(args)
         device = torch.device(args.device)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)  # process-wide, as torch has it
@@ -39,7 +83,7 @@ class Engine:
                 num_slots=args.max_total_tokens,
                 num_heads=cfg.num_heads,
                 head_dim=cfg.head_dim,
-                dtype=torch.float32,
+                dtype=KV_CACHE_DTYPE,
                 device=device,
             )
 
@@ -91,6 +135,29 @@ class Engine:
             eos_token_id=args.eos_token_id,
         )
         self._rids = itertools.count()
+        self._lock = threading.Lock()
+        self._lock_owner: Optional[int] = None  # thread id inside generate()
+        self._num_calls = 0
+        # Requests of a call whose clean-up was itself interrupted.
+        self._unclean: List[Req] = []
+
+    @staticmethod
+    def _init_expert_parallel(args: ServerArgs):
+        """On a distributed world, build the EP groups with ``dist_timeout``
+        and check that every rank got the same configuration and seed; return
+        the group the per-call checks use (None on one process)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size() == 1:
+            return None
+        init_parallel_from_distributed(timeout_s=args.dist_timeout)
+        group = get_moe_ep_cpu_group()
+        check_ranks_agree(
+            digest=_config_digest(args),
+            group=group,
+            what="the engine configuration and random_seed",
+        )
+        return group
 
     def generate(
         self,
@@ -105,10 +172,81 @@ class Engine:
         of tokens that step committed.
 
         Every request is validated before any runs: a bad one raises
-        ValueError naming it, and nothing is queued.
+        ValueError naming its index and value, and nothing is queued. Calls
+        are serialized: a second thread waits for the first to finish.
         """
+        me = threading.get_ident()
+        if self._lock_owner == me:
+            raise RuntimeError(
+                "Engine.generate() called again from inside its own progress "
+                "callback; calls on one engine are serialized, so this would "
+                "deadlock"
+            )
+        with self._lock:
+            try:
+                self._lock_owner = me
+                return self._generate_locked(input_ids, sampling_params, progress)
+            finally:
+                self._lock_owner = None
+
+    def _generate_locked(self, input_ids, sampling_params, progress) -> List[Dict]:
+        scheduler = self.scheduler
+        if self._unclean:
+            scheduler.abort_requests(self._unclean)
+            self._unclean = []
+        error: Optional[ValueError] = None
+        try:
+            reqs = self._make_requests(input_ids, sampling_params)
+        except ValueError as e:
+            error, reqs = e, []
+        self._num_calls += 1
+        if self._check_group is not None:
+            # Every rank gathers before any raises, so all of them learn of
+            # a mismatch (or of another rank's bad request) at once.
+            digest = digest_of(
+                {
+                    "call": self._num_calls,
+                    "rejected": error is not None,
+                    "requests": [
+                        [r.origin_input_ids, dataclasses.asdict(r.sampling_params)]
+                        for r in reqs
+                    ],
+                }
+            )
+            try:
+                check_ranks_agree(
+                    digest=digest, group=self._check_group, what="the requests"
+                )
+            except ValueError:
+                if error is None:
+                    raise
+        if error is not None:
+            raise error
+        self._unclean = reqs
+        try:
+            for req in reqs:
+                scheduler.add_request(req)
+            committed = 0
+            while scheduler.has_work():
+                scheduler.step()
+                if progress is not None:
+                    now = sum(len(r.output_ids) for r in reqs)
+                    progress(now - committed)
+                    committed = now
+        except BaseException:
+            # Whatever ended the call: its requests give back every row and
+            # slot before the exception leaves generate().
+            scheduler.abort_requests(reqs)
+            self._unclean = []
+            raise
+        self._unclean = []
+        return [self._result(r) for r in reqs]
+
+    def _make_requests(self, input_ids, sampling_params) -> List[Req]:
+        """Validated requests (token ids as Python ints), or ValueError naming
+        the request index and the bad value; nothing is queued either way."""
         if not isinstance(input_ids, list) or not all(
-            isinstance(ids, list) for ids in input_ids
+            isinstance(ids, (list, tuple)) for ids in input_ids
         ):
             raise ValueError("input_ids must be a list of token-id lists")
         if isinstance(sampling_params, list):
@@ -117,36 +255,32 @@ class Engine:
                     f"{len(sampling_params)} sampling_params for {len(input_ids)} requests"
                 )
             params = sampling_params
-        else:
+        elif sampling_params is None or isinstance(sampling_params, dict):
             params = [sampling_params or {}] * len(input_ids)
+        else:
+            raise ValueError(
+                f"sampling_params must be a dict, a list of dicts or None, got "
+                f"{type(sampling_params).__name__}"
+            )
         reqs = []
         for i, (ids, p) in enumerate(zip(input_ids, params)):
+            if not isinstance(p, dict):
+                raise ValueError(
+                    f"input {i}: sampling_params must be a dict, got {p!r}"
+                )
             try:
                 sp = SamplingParams(**p)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"input {i}: bad sampling_params {p!r}: {e}") from None
-            reqs.append(
-                Req(
-                    rid=next(self._rids), origin_input_ids=list(ids), sampling_params=sp
-                )
+            req = Req(
+                rid=next(self._rids), origin_input_ids=list(ids), sampling_params=sp
             )
-        scheduler = self.scheduler
-        # Validate all, then queue all, so a bad request queues nothing.
-        for i, req in enumerate(reqs):
             try:
-                scheduler.check_request(req)
+                self.scheduler.check_request(req)
             except ValueError as e:
                 raise ValueError(f"input {i}: {e}") from None
-        for req in reqs:
-            scheduler.add_request(req)
-        committed = 0
-        while scheduler.has_work():
-            scheduler.step()
-            if progress is not None:
-                now = sum(len(r.output_ids) for r in reqs)
-                progress(now - committed)
-                committed = now
-        return [self._result(r) for r in reqs]
+            reqs.append(req)
+        return reqs
 
     def _result(self, req: Req) -> Dict:
         return {

@@ -1,8 +1,10 @@
 """Request and batch state: the only mutable state handed between parts."""
 
+import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 
@@ -12,16 +14,49 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
 
     def __post_init__(self) -> None:
+        # numpy scalars are accepted and stored as Python numbers, once.
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        if (
+            isinstance(n, (bool, np.bool_))
+            or not isinstance(n, numbers.Integral)
+            or n <= 0
+        ):
             raise ValueError(f"max_new_tokens must be an int > 0, got {n!r}")
         t = self.temperature
         if (
-            isinstance(t, bool)
-            or not isinstance(t, (int, float))
+            isinstance(t, (bool, np.bool_))
+            or not isinstance(t, numbers.Real)
             or not 0 <= t < float("inf")
         ):
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        object.__setattr__(self, "max_new_tokens", int(n))
+        object.__setattr__(self, "temperature", float(t))
+
+
+def as_token_ids(ids, *, vocab_size: int) -> List[int]:
+    """Token ids as Python ints, or ValueError naming the first bad one.
+
+    Accepted: Python ints and numpy / torch integer scalars of any width in
+    [0, vocab_size). Floats, bools, strings, arrays and the like are not.
+    """
+    out = []
+    for pos, t in enumerate(ids):
+        if isinstance(t, torch.Tensor):
+            ok = t.dim() == 0 and not (
+                t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool
+            )
+            value = int(t.item()) if ok else None
+        elif isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+            value = None
+        else:
+            value = int(t)
+        if value is None or not 0 <= value < vocab_size:
+            raise ValueError(
+                f"token id {t!r} at position {pos} is not an integer in the "
+                f"vocabulary [0, {vocab_size})"
+            )
+        out.append(value)
+    return out
 
 
 @dataclass

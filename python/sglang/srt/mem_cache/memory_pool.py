@@ -3,9 +3,15 @@
 Slot 0 is scratch: padded rows of a graph bucket write there, and row 0 of
 the request table (the dummy request) points only at it, so padding never
 touches a live request's KV.
+
+Each pool can say what it would take before it is built (``nbytes_for``),
+so a configuration that cannot fit is rejected before anything is
+allocated, and each free list can be rebuilt from the rows and slots still
+held (``reset_free``), so whatever interrupted a release, nothing leaks.
 """
 
-from typing import List
+import os
+from typing import Iterable, List
 
 import torch
 
@@ -22,6 +28,7 @@ class ReqToTokenPool:
                 f"max_reqs and max_context_len must be >= 1, got "
                 f"{max_reqs}, {max_context_len}"
             )
+        self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         # [max_reqs + 1, max_context_len]; row 0 is the dummy request.
         self.req_to_token = torch.full(
@@ -32,8 +39,15 @@ class ReqToTokenPool:
         )
         self._free_rows: List[int] = list(range(1, max_reqs + 1))
 
+    @staticmethod
+    def nbytes_for(*, max_reqs: int, max_context_len: int) -> int:
+        return (max_reqs + 1) * max_context_len * 8  # int64 table
+
     def available(self) -> int:
         return len(self._free_rows)
+
+    def free_rows(self) -> List[int]:
+        return list(self._free_rows)
 
     def alloc(self) -> int:
         if not self._free_rows:
@@ -45,6 +59,14 @@ class ReqToTokenPool:
             raise ValueError(f"request row {row} is not allocated")
         self.req_to_token[row].fill_(SCRATCH_SLOT)
         self._free_rows.append(row)
+
+    def reset_free(self, *, held: Iterable[int]) -> None:
+        """Every row but ``held`` becomes free (and points at scratch again)."""
+        held = set(held)
+        free = [r for r in range(1, self.max_reqs + 1) if r not in held]
+        if free:
+            self.req_to_token[free] = SCRATCH_SLOT
+        self._free_rows = free
 
 
 class TokenSlotAllocator:
@@ -59,6 +81,9 @@ class TokenSlotAllocator:
     def available(self) -> int:
         return len(self._free)
 
+    def free_slots(self) -> List[int]:
+        return list(self._free)
+
     def alloc(self, n: int) -> List[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV slots, {len(self._free)} free")
@@ -67,6 +92,11 @@ class TokenSlotAllocator:
 
     def free(self, slots: List[int]) -> None:
         self._free.extend(slots)
+
+    def reset_free(self, *, held: Iterable[int]) -> None:
+        """Every slot but ``held`` becomes free."""
+        held = set(held)
+        self._free = [s for s in range(1, self.num_slots + 1) if s not in held]
 
 
 class KVPool:
@@ -86,7 +116,29 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    @staticmethod
+    def nbytes_for(
+        *, num_layers: int, num_slots: int, num_heads: int, head_dim: int, dtype
+    ) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * (num_slots + 1) * num_heads * head_dim * element
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # slots: [T]; k, v: [T, heads, dim]
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation on ``device`` can take now: free GPU memory on
+    CUDA; on the CPU, MemAvailable (or free physical pages without /proc)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

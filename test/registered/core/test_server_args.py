@@ -1,0 +1,159 @@
+"""Engine arguments: every ServerArgs field is typed and range-checked with a
+ValueError naming it, before anything is allocated; the pools' memory is
+computed up front (and equals what the engine then allocates); options the
+chosen algorithm would ignore are refused."""
+
+import unittest
+
+import numpy as np
+import torch
+
+from sglang import Engine
+from sglang.srt.server_args import ServerArgs
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase, cuda_available
+
+register_cpu_ci(est_time=3, suite="base-a-test-cpu")
+
+
+class TestServerArgsValidation(CustomTestCase):
+    def test_each_bad_value_names_the_field(self):
+        cases = [
+            ({"model_path": 3}, "model_path must be a str, got 3"),
+            ({"device": 0}, "device must be a str or torch.device, got int 0"),
+            ({"device": "tpu"}, "device 'tpu' is not a device name"),
+            ({"device": "meta"}, "device must be cpu or cuda, got 'meta'"),
+            (
+                {"random_seed": True},
+                r"random_seed must be an int in \[0, 2\*\*63\), got True",
+            ),
+            ({"random_seed": None}, "random_seed .* got None"),
+            ({"random_seed": 2**64}, "random_seed .* got 18446744073709551616"),
+            ({"random_seed": -1}, "random_seed .* got -1"),
+            ({"random_seed": 1.0}, "random_seed .* got 1.0"),
+            (
+                {"max_running_requests": "8"},
+                "max_running_requests must be an int >= 1, got '8'",
+            ),
+            ({"max_total_tokens": 0}, "max_total_tokens .* got 0"),
+            ({"context_length": 64.0}, "context_length .* got 64.0"),
+            ({"cuda_graph_bs": [1.5]}, r"cuda_graph_bs .* got \[1.5\]"),
+            ({"cuda_graph_bs": []}, r"cuda_graph_bs .* got \[\]"),
+            ({"cuda_graph_bs": 4}, "cuda_graph_bs .* got 4"),
+            ({"cuda_graph_bs": [True]}, r"cuda_graph_bs .* got \[True\]"),
+            (
+                {"eos_token_id": 9999},
+                r"eos_token_id must be an int in \[0, 256\), got 9999",
+            ),
+            ({"eos_token_id": -1}, "eos_token_id .* got -1"),
+            ({"num_threads": 0}, "num_threads .* got 0"),
+            (
+                {"disable_cuda_graph": "yes"},
+                "disable_cuda_graph must be a bool, got 'yes'",
+            ),
+            ({"mem_fraction_static": 0}, r"mem_fraction_static .* \(0, 1\], got 0"),
+            ({"mem_fraction_static": 1.5}, "mem_fraction_static .* got 1.5"),
+            ({"dist_timeout": 0}, "dist_timeout .* got 0"),
+            ({"dist_timeout": float("inf")}, "dist_timeout .* got inf"),
+            ({"dist_timeout": "5"}, "dist_timeout .* got '5'"),
+            (
+                {"speculative_algorithm": "dspark"},
+                "speculative_algorithm must be one of",
+            ),
+        ]
+        for kwargs, needle in cases:
+            with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+                with self.assertRaisesRegex(ValueError, needle):
+                    ServerArgs(**kwargs)
+
+    def test_cuda_without_a_gpu_says_so(self):
+        if cuda_available():
+            self.skipTest("a GPU is present: device='cuda' is valid here")
+        for device in ("cuda", torch.device("cuda:0")):
+            with self.subTest(device=device):
+                with self.assertRaisesRegex(ValueError, "no CUDA GPU is available"):
+                    ServerArgs(device=device)
+
+    def test_accepted_forms_are_normalized(self):
+        args = ServerArgs(
+            device=torch.device("cpu"),
+            random_seed=np.int64(7),
+            max_running_requests=np.int32(4),
+            cuda_graph_bs=(4, 1, 2, 2),
+            eos_token_id=np.uint8(3),
+            dist_timeout=np.float32(2.5),
+        )
+        self.assertEqual(args.device, "cpu")
+        self.assertEqual((args.random_seed, type(args.random_seed)), (7, int))
+        self.assertEqual(type(args.max_running_requests), int)
+        self.assertEqual(args.cuda_graph_bs, [1, 2, 4])
+        self.assertEqual((args.eos_token_id, type(args.eos_token_id)), (3, int))
+        self.assertEqual((args.dist_timeout, type(args.dist_timeout)), (2.5, float))
+        engine = Engine(device=torch.device("cpu"), random_seed=np.int64(7))
+        out = engine.generate(
+            input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 3}
+        )
+        self.assertEqual(len(out[0]["output_ids"]), 3)
+
+    def test_options_the_algorithm_ignores_are_refused(self):
+        for kwargs in (
+            {"speculative_num_draft_tokens": 6},
+            {"speculative_draft_model_path": "anything"},
+        ):
+            with self.subTest(**kwargs):
+                with self.assertRaisesRegex(
+                    ValueError, "only used with speculative_algorithm='DSPARK'"
+                ):
+                    ServerArgs(**kwargs)
+        with self.assertRaisesRegex(
+            ValueError, "speculative_draft_model_path must be a str"
+        ):
+            ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path=3)
+
+    def test_unknown_engine_argument(self):
+        with self.assertRaisesRegex(
+            ValueError, r"unknown engine argument\(s\) \['top_q'\]"
+        ):
+            Engine(top_q=1)
+
+
+class TestMemorySizing(CustomTestCase):
+    def test_estimate_equals_what_the_engine_allocates(self):
+        for algo in (None, "DSPARK"):
+            with self.subTest(algo=algo):
+                kw = dict(
+                    max_total_tokens=300, max_running_requests=3, context_length=40
+                )
+                engine = Engine(speculative_algorithm=algo, device="cpu", **kw)
+                pools = (
+                    [engine.worker.model_runner.token_to_kv_pool]
+                    if algo is None
+                    else [
+                        engine.worker.target_worker.model_runner.token_to_kv_pool,
+                        engine.worker.draft_runner.token_to_kv_pool,
+                    ]
+                )
+                allocated = {
+                    "kv_pools": sum(p.k.nbytes + p.v.nbytes for p in pools),
+                    "req_to_token": engine.req_to_token_pool.req_to_token.nbytes,
+                }
+                estimate = engine.server_args.static_memory_bytes()
+                self.assertEqual(estimate, allocated)
+
+    def test_a_config_that_cannot_fit_is_refused_before_allocating(self):
+        # 2**40 KV slots need petabytes: refused by the up-front estimate.
+        with self.assertRaisesRegex(
+            ValueError, r"the pools need .* GiB .*mem_fraction_static=0.5"
+        ):
+            ServerArgs(max_total_tokens=2**40)
+        with self.assertRaisesRegex(ValueError, "req_to_token"):
+            ServerArgs(max_running_requests=2**36, cuda_graph_bs=[1])
+        # Any config is refused under a small enough cap; the default fits
+        # the default cap.
+        with self.assertRaisesRegex(ValueError, "mem_fraction_static=1e-12"):
+            ServerArgs(mem_fraction_static=1e-12)
+        ServerArgs()
+
+
+if __name__ == "__main__":
+    unittest.main()

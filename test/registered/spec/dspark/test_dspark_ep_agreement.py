@@ -1,0 +1,144 @@
+"""Expert-parallel ranks agree or all stop with a ValueError (gloo, 2 ranks).
+
+At start-up the ranks all-gather a digest of the configuration and seed;
+each ``generate()`` all-gathers a digest of its requests. A mismatch (a
+different ``random_seed``, different prompts, different sampling params, a
+request only one rank rejects) is a ValueError on both ranks, never a
+SIGABRT or silently wrong output; the pools stay whole and the next agreed
+call returns the single-process output.
+"""
+
+import json
+import os
+import socket
+import tempfile
+import unittest
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglang import Engine
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+
+PROMPTS = [[7, 3, 9, 1], [4, 4, 8]]
+PARAMS = {"max_new_tokens": 6}
+ARGS = dict(device="cpu", max_running_requests=4, dist_timeout=10)
+ALGORITHMS = (None, "DSPARK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _error(fn) -> list:
+    """[exception type, message] of what ``fn()`` raised, or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test records the type
+        return [type(e).__name__, str(e)]
+    return None
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
+    )
+    result = {"seed": _error(lambda: Engine(random_seed=rank, **ARGS))}
+    for algo in ALGORITHMS:
+        engine = Engine(speculative_algorithm=algo, **ARGS)
+        calls, pools_whole = {}, []
+
+        def call(name, input_ids, params):
+            calls[name] = _error(
+                lambda: engine.generate(input_ids=input_ids, sampling_params=params)
+            )
+            engine.scheduler.check_pool_accounting()  # raises on a leak
+            pools_whole.append(not engine.scheduler.has_work())
+
+        other = [[t + rank for t in ids] for ids in PROMPTS]
+        call("prompts", other, PARAMS)
+        call("params", PROMPTS, {"max_new_tokens": 6 + rank})
+        # Rank 1 alone gets an out-of-vocabulary id: it names it, rank 0
+        # learns the ranks disagree; neither waits for the other.
+        bad = PROMPTS if rank == 0 else [PROMPTS[0], [1, 999]]
+        call("one_rank_rejects", bad, PARAMS)
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+        engine.scheduler.check_pool_accounting()
+        result[str(algo)] = {
+            "calls": calls,
+            "pools_whole": pools_whole,
+            "output_ids": [o["output_ids"] for o in outs],
+        }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+class TestExpertParallelAgreement(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.spawn(_rank_main, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+            cls.ranks = []
+            for r in range(2):
+                with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                    cls.ranks.append(json.load(f))
+        cls.single = {
+            str(algo): [
+                o["output_ids"]
+                for o in Engine(speculative_algorithm=algo, **ARGS).generate(
+                    input_ids=PROMPTS, sampling_params=PARAMS
+                )
+            ]
+            for algo in ALGORITHMS
+        }
+
+    def test_different_seed_is_a_value_error_on_both_ranks(self):
+        for rank in self.ranks:
+            kind, message = rank["seed"]
+            self.assertEqual(kind, "ValueError")
+            self.assertIn("EP ranks disagree on the engine configuration", message)
+            self.assertIn("[0]", message)
+            self.assertIn("[1]", message)
+
+    def test_different_requests_are_a_value_error_on_both_ranks(self):
+        for algo in map(str, ALGORITHMS):
+            for rank in self.ranks:
+                calls = rank[algo]["calls"]
+                for name in ("prompts", "params"):
+                    with self.subTest(algo=algo, call=name):
+                        kind, message = calls[name]
+                        self.assertEqual(kind, "ValueError")
+                        self.assertIn("EP ranks disagree on the requests", message)
+
+    def test_a_request_one_rank_rejects_stops_both(self):
+        for algo in map(str, ALGORITHMS):
+            rank0, rank1 = (r[algo]["calls"]["one_rank_rejects"] for r in self.ranks)
+            self.assertEqual(rank0[0], "ValueError")
+            self.assertIn("EP ranks disagree on the requests", rank0[1])
+            self.assertEqual(rank1[0], "ValueError")
+            self.assertIn("input 1", rank1[1])
+            self.assertIn("token id 999", rank1[1])
+
+    def test_pools_whole_and_later_output_equals_single_process(self):
+        for algo in map(str, ALGORITHMS):
+            for rank in self.ranks:
+                self.assertEqual(rank[algo]["pools_whole"], [True, True, True])
+                self.assertEqual(rank[algo]["output_ids"], self.single[algo])
+
+
+if __name__ == "__main__":
+    unittest.main()
