@@ -30,5 +30,6 @@ def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch
         temperatures.shape + (1,) * (logits.dim() - temperatures.dim())
     )
     probs = torch.softmax(logits.float() / t.clamp_min(1e-6), dim=-1)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    # scatter, not F.one_hot: one_hot checks its ids on the host (a sync).
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(t > 0, probs, one_hot)
