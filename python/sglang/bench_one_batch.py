@@ -1,64 +1,145 @@
-"""Decode throughput of DSpark vs plain decoding, measured in one run.
+"""DSpark vs plain decoding, measured in lockstep in one run.
 
     python -m sglang.bench_one_batch --batch-size 1 8 --input-len 64 --output-len 64
 
-For each batch size both engines decode the same random prompts, in
-``--repeats`` interleaved runs. Printed per batch size, from each engine's
-median run: decode tokens/s (with the min-max over runs) and mean step time,
-their ratio, DSpark's mean accepted length (accepted drafts + 1 per verify
-step), and whether every DSpark greedy output equals plain greedy output
-token for token (it must).
+For each batch size both engines decode the same prompts in ``--repeats``
+rounds. Within a round the engines advance in lockstep, one decode step of
+each in turn (who goes first alternates), so the two step times of a pair
+saw the same machine load. Printed per batch size: each engine's decode
+tokens/s and mean step time; the DSpark/plain step-cost ratio, the
+geometric mean of the paired ratios, with its 95% confidence interval (a
+t-interval on the paired log ratios); the speedup in tokens/s; DSpark's mean
+accepted length (accepted drafts + 1 per verify step); and whether DSpark's
+greedy output equals plain greedy output token for token (it must).
+``--count-ops`` adds the aten ops and allocations of one decode step of
+each engine (exact counts, from OpCounter, in a separate untimed pass).
 """
 
 import argparse
+import itertools
 import json
+import math
+import os
 import random
+import statistics
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
 from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.utils.op_counter import OpCounter
+
+ENGINES = ("plain", "dspark")
+_rids = itertools.count()
 
 
-def _decode(engine: Engine, prompts, params, desc: str) -> Dict:
-    """Run once and read the engine's decode-step timings."""
-    engine.scheduler.decode_step_times.clear()
-    total = len(prompts) * params["max_new_tokens"]
-    with tqdm(total=total, desc=desc, unit="tok", leave=False, file=sys.stderr) as bar:
-        outs = engine.generate(
-            input_ids=prompts, sampling_params=params, progress=bar.update
-        )
-    steps = engine.scheduler.decode_step_times
-    # The first token of each request comes from prefill, not a decode step.
-    decode_tokens = sum(o["meta_info"]["completion_tokens"] - 1 for o in outs)
-    verify_ct = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
-    return {
-        "output_ids": [o["output_ids"] for o in outs],
-        "decode_steps": len(steps),
-        "mean_step_ms": 1e3 * sum(steps) / max(len(steps), 1),
-        "decode_tokens_per_s": decode_tokens / sum(steps) if steps else 0.0,
-        # Committed tokens per verify step, before truncation at max_new_tokens.
-        "accept_length": (
-            sum(
-                o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"]
-                for o in outs
-            )
-            / verify_ct
-            if verify_ct
-            else 0.0
-        ),
-    }
+def make_prompts(
+    *, rng: random.Random, vocab_size: int, batch_size: int, input_len: int
+) -> List[List[int]]:
+    """The prompts both engines decode: random ids (below the last id, the
+    draft's mask token in the embedded pair)."""
+    return [
+        [rng.randrange(vocab_size - 1) for _ in range(input_len)]
+        for _ in range(batch_size)
+    ]
 
 
-def _median(runs: List[Dict]) -> Dict:
-    ordered = sorted(runs, key=lambda r: r["decode_tokens_per_s"])
-    return dict(
-        ordered[len(ordered) // 2],
-        tokens_per_s_range=[
-            r["decode_tokens_per_s"] for r in (ordered[0], ordered[-1])
-        ],
+def _t_quantile_975(df: int) -> float:
+    """Student's t 97.5% quantile (Cornish-Fisher series; within 1% from df=2)."""
+    z = 1.959963984540054
+    g = (
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
     )
+    return z + sum(gi / df ** (i + 1) for i, gi in enumerate(g))
+
+
+def paired_ratio(
+    pairs: Sequence[Tuple[float, float]],
+) -> Tuple[float, Optional[float], Optional[float]]:
+    """(b / a) over (a, b) pairs: the geometric mean of the ratios and its 95%
+    t-interval; no interval from fewer than 3 pairs."""
+    logs = [math.log(b / a) for a, b in pairs]
+    mean = statistics.fmean(logs)
+    if len(logs) < 3:
+        return math.exp(mean), None, None
+    half = _t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def _submit(engine: Engine, prompts, params: Dict) -> List[Req]:
+    reqs = [
+        Req(
+            rid=next(_rids),
+            origin_input_ids=list(p),
+            sampling_params=SamplingParams(**params),
+        )
+        for p in prompts
+    ]
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    return reqs
+
+
+def _lockstep_round(
+    engines: Dict[str, Engine], prompts, params: Dict, bar
+) -> Tuple[Dict[str, List[Req]], Dict[str, List[float]], List[Tuple[float, float]]]:
+    """One round: the same prompts on every engine, advanced a step at a time
+    in turn. Returns the requests, each engine's decode step times, and the
+    (plain, dspark) step-time pairs of the turns where both decoded."""
+    reqs = {name: _submit(e, prompts, params) for name, e in engines.items()}
+    times: Dict[str, List[float]] = {name: [] for name in engines}
+    pairs = []
+    order = list(engines)
+    while any(e.scheduler.has_work() for e in engines.values()):
+        turn = {}
+        for name in order:
+            scheduler = engines[name].scheduler
+            if not scheduler.has_work():
+                continue
+            n, committed = len(scheduler.decode_step_times), _committed(reqs[name])
+            scheduler.step()
+            bar.update(_committed(reqs[name]) - committed)
+            if len(scheduler.decode_step_times) > n:
+                turn[name] = scheduler.decode_step_times[-1]
+        for name, t in turn.items():
+            times[name].append(t)
+        if len(turn) == len(engines):
+            pairs.append((turn["plain"], turn["dspark"]))
+        order.reverse()  # neither engine always runs right after the other
+    for e in engines.values():
+        e.scheduler.decode_step_times.clear()
+    return reqs, times, pairs
+
+
+def _committed(reqs: List[Req]) -> int:
+    return sum(len(r.output_ids) for r in reqs)
+
+
+def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
+    """Mean aten ops and allocations of a decode step, over up to ``steps``
+    steps with the whole batch running (no admission, nobody finishing)."""
+    scheduler = engine.scheduler
+    reqs = _submit(engine, prompts, params)
+    scheduler.step()  # admission and prefill, then the first decode step
+    counts = []
+    while scheduler.has_work():
+        running = len(scheduler.running)
+        with OpCounter() as c:
+            scheduler.step()
+        if len(counts) < steps and len(scheduler.running) == running == len(reqs):
+            counts.append((c.ops, c.allocs))
+    scheduler.decode_step_times.clear()
+    if not counts:
+        return {"ops_per_step": None, "allocs_per_step": None}
+    return {
+        "ops_per_step": statistics.fmean(c[0] for c in counts),
+        "allocs_per_step": statistics.fmean(c[1] for c in counts),
+    }
 
 
 def run(args: argparse.Namespace) -> List[Dict]:
@@ -70,80 +151,114 @@ def run(args: argparse.Namespace) -> List[Dict]:
         max_running_requests=max(args.batch_size),
         disable_cuda_graph=args.disable_cuda_graph,
     )
-    plain = Engine(speculative_algorithm=None, **common)
-    dspark = Engine(
-        speculative_algorithm="DSPARK",
-        # Upstream's speculative_num_draft_tokens is the verify width, gamma + 1.
-        speculative_num_draft_tokens=None if args.gamma is None else args.gamma + 1,
-        **common,
-    )
-    vocab = plain.vocab_size
+    engines = {
+        "plain": Engine(speculative_algorithm=None, **common),
+        "dspark": Engine(
+            speculative_algorithm="DSPARK",
+            # Upstream's speculative_num_draft_tokens is the verify width.
+            speculative_num_draft_tokens=None if args.gamma is None else args.gamma + 1,
+            **common,
+        ),
+    }
+    plain, dspark = engines["plain"], engines["dspark"]
     params = {"max_new_tokens": args.output_len, "temperature": args.temperature}
     rows = []
     for bs in args.batch_size:
-        prompts = [
-            [rng.randrange(vocab - 1) for _ in range(args.input_len)] for _ in range(bs)
-        ]
-        warmup = dict(params, max_new_tokens=4)
-        for engine in (plain, dspark):
-            engine.generate(input_ids=prompts, sampling_params=warmup)
-        # Interleaved repeats; each engine's median run is reported, so one
-        # noisy moment on a shared machine does not decide the ratio.
-        runs = {"plain": [], "dspark": []}
-        for r in range(args.repeats):
-            for name, engine in (("plain", plain), ("dspark", dspark)):
-                desc = f"{name} bs={bs} run {r + 1}/{args.repeats}"
-                runs[name].append(_decode(engine, prompts, params, desc))
-        base, spec = (_median(runs[name]) for name in ("plain", "dspark"))
-        rows.append(
-            {
-                "batch_size": bs,
-                "input_len": args.input_len,
-                "output_len": args.output_len,
-                "temperature": args.temperature,
-                "gamma": dspark.dspark_config.gamma,
-                "device": plain.server_args.device,
-                "cuda_graph": plain.server_args.use_cuda_graph,
-                "repeats": args.repeats,
-                "plain_tokens_per_s": base["decode_tokens_per_s"],
-                "plain_tokens_per_s_range": base["tokens_per_s_range"],
-                "plain_mean_step_ms": base["mean_step_ms"],
-                "dspark_tokens_per_s": spec["decode_tokens_per_s"],
-                "dspark_tokens_per_s_range": spec["tokens_per_s_range"],
-                "dspark_mean_step_ms": spec["mean_step_ms"],
-                "speedup": spec["decode_tokens_per_s"] / base["decode_tokens_per_s"],
-                "accept_length": spec["accept_length"],
-                # Every run of both engines, not only the median ones.
-                "greedy_output_equal": (
-                    all(
-                        run["output_ids"] == base["output_ids"]
-                        for run in runs["plain"] + runs["dspark"]
-                    )
-                    if args.temperature == 0
-                    else None
-                ),
-            }
+        prompts = make_prompts(
+            rng=rng,
+            vocab_size=plain.vocab_size,
+            batch_size=bs,
+            input_len=args.input_len,
         )
-        print(_format(rows[-1]), flush=True)
+        for engine in engines.values():  # warm up
+            engine.generate(
+                input_ids=prompts, sampling_params=dict(params, max_new_tokens=4)
+            )
+        outputs = {name: [] for name in ENGINES}
+        times = {name: [] for name in ENGINES}
+        all_reqs = {name: [] for name in ENGINES}
+        pairs: List[Tuple[float, float]] = []
+        total = args.repeats * len(ENGINES) * bs * args.output_len
+        with tqdm(
+            total=total, desc=f"bs={bs}", unit="tok", leave=False, file=sys.stderr
+        ) as bar:
+            for _ in range(args.repeats):
+                reqs, step_times, round_pairs = _lockstep_round(
+                    engines, prompts, params, bar
+                )
+                pairs += round_pairs
+                for name in ENGINES:
+                    outputs[name].append([list(r.output_ids) for r in reqs[name]])
+                    times[name] += step_times[name]
+                    all_reqs[name] += reqs[name]
+        row = {
+            "batch_size": bs,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "temperature": args.temperature,
+            "gamma": dspark.dspark_config.gamma,
+            "device": plain.server_args.device,
+            "cuda_graph": plain.server_args.use_cuda_graph,
+            "repeats": args.repeats,
+        }
+        for name in ENGINES:
+            # The first token of each request comes from prefill, not a decode step.
+            decode_tokens = sum(len(r.output_ids) - 1 for r in all_reqs[name])
+            row[f"{name}_decode_steps"] = len(times[name])
+            row[f"{name}_mean_step_ms"] = 1e3 * statistics.fmean(times[name])
+            row[f"{name}_tokens_per_s"] = decode_tokens / sum(times[name])
+        ratio, lo, hi = paired_ratio(pairs)
+        verify_ct = sum(r.spec_verify_ct for r in all_reqs["dspark"])
+        accepted = sum(r.spec_accepted_drafts for r in all_reqs["dspark"])
+        row.update(
+            step_pairs=len(pairs),
+            step_cost_ratio=ratio,
+            step_cost_ratio_ci95=[lo, hi],
+            speedup=row["dspark_tokens_per_s"] / row["plain_tokens_per_s"],
+            # Committed tokens per verify step, before truncation at max_new_tokens.
+            accept_length=(verify_ct + accepted) / verify_ct,
+            # Every round of both engines against the first plain round.
+            greedy_output_equal=(
+                all(o == outputs["plain"][0] for name in ENGINES for o in outputs[name])
+                if args.temperature == 0
+                else None
+            ),
+        )
+        if args.count_ops:
+            for name, engine in engines.items():
+                for key, value in _count_ops(engine, prompts, params).items():
+                    row[f"{name}_{key}"] = value
+        rows.append(row)
+        print(_format(row), flush=True)
     return rows
 
 
 def _format(r: Dict) -> str:
     equal = r["greedy_output_equal"]
-
-    def engine(name: str) -> str:
-        lo, hi = r[f"{name}_tokens_per_s_range"]
-        return (
-            f"{name} {r[f'{name}_tokens_per_s']:7.1f} tok/s [{lo:.0f}-{hi:.0f}] "
-            f"{r[f'{name}_mean_step_ms']:.3f} ms/step"
-        )
-
-    return (
-        f"bs={r['batch_size']:<3} {engine('plain')} | {engine('dspark')} | "
-        f"dspark/plain {r['speedup']:.3f}x | accept length "
-        f"{r['accept_length']:.2f} | greedy equal: "
-        f"{'n/a (sampling)' if equal is None else equal}"
+    lo, hi = r["step_cost_ratio_ci95"]
+    ci = "n/a" if lo is None else f"[{lo:.3f}, {hi:.3f}]"
+    engines = " | ".join(
+        f"{name} {r[f'{name}_tokens_per_s']:7.1f} tok/s "
+        f"{r[f'{name}_mean_step_ms']:.3f} ms/step"
+        for name in ENGINES
     )
+    text = (
+        f"bs={r['batch_size']:<3} {engines} | step cost dspark/plain "
+        f"{r['step_cost_ratio']:.3f} {ci} ({r['step_pairs']} pairs) | speedup "
+        f"{r['speedup']:.3f}x | accept length {r['accept_length']:.2f} | "
+        f"greedy equal: {'n/a (sampling)' if equal is None else equal}"
+    )
+    if "plain_ops_per_step" in r:
+        text += "\n       per decode step: " + " | ".join(
+            f"{name} {_fmt(r[f'{name}_ops_per_step'])} aten ops, "
+            f"{_fmt(r[f'{name}_allocs_per_step'])} allocations"
+            for name in ENGINES
+        )
+    return text
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
 
 
 def main(argv=None) -> int:
@@ -159,12 +274,20 @@ def main(argv=None) -> int:
         help="draft block size gamma (the engine's speculative_num_draft_tokens "
         "is gamma + 1); default: the draft's block size",
     )
-    p.add_argument("--model-path", default=None, help="default: embedded tiny-moe")
+    p.add_argument("--model-path", default=None, help="default: the embedded pair")
     p.add_argument("--device", default=None, help="default: cuda when present")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--repeats", type=int, default=3, help="interleaved runs; the median is shown"
+        "--repeats",
+        type=int,
+        default=3,
+        help="lockstep rounds per batch size; their step pairs are pooled",
+    )
+    p.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="also print aten ops and allocations per decode step (OpCounter)",
     )
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
@@ -176,6 +299,12 @@ def main(argv=None) -> int:
         p.error("--repeats must be >= 1")
     if min(args.batch_size) < 1:
         p.error("--batch-size values must be >= 1")
+    if args.json is not None:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            p.error(f"--json {args.json}: folder {folder} does not exist")
+        if os.path.isdir(args.json):
+            p.error(f"--json {args.json} is a folder; give a file path")
     rows = run(args)
     if args.json:
         with open(args.json, "w") as f:

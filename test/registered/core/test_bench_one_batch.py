@@ -1,32 +1,37 @@
-"""The main job runs end to end and reports real figures."""
+"""The main job runs end to end, in lockstep, and reports real figures."""
 
 import contextlib
 import io
 import json
+import math
 import os
+import statistics
 import tempfile
 import unittest
+from unittest import mock
 
 from sglang import bench_one_batch
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+register_cpu_ci(est_time=12, suite="base-a-test-cpu")
+
+
+def _main(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = bench_one_batch.main(argv)
+    return rc, out.getvalue()
 
 
 class TestBenchOneBatch(CustomTestCase):
     def test_figures_and_json(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "bench.json")
-            out = io.StringIO()
-            with (
-                contextlib.redirect_stdout(out),
-                contextlib.redirect_stderr(io.StringIO()),
-            ):
-                rc = bench_one_batch.main(
-                    ["--batch-size", "1", "3", "--input-len", "8", "--output-len", "9"]
-                    + ["--repeats", "2", "--json", path]
-                )
+            rc, text = _main(
+                ["--batch-size", "1", "3", "--input-len", "8", "--output-len", "9"]
+                + ["--repeats", "2", "--count-ops", "--json", path]
+            )
             with open(path) as f:
                 rows = json.load(f)
         self.assertEqual(rc, 0)
@@ -34,33 +39,44 @@ class TestBenchOneBatch(CustomTestCase):
         for r in rows:
             self.assertTrue(r["greedy_output_equal"])
             self.assertEqual(r["gamma"], 5)
-            self.assertGreater(r["plain_tokens_per_s"], 0)
-            self.assertGreater(r["dspark_tokens_per_s"], 0)
+            self.assertEqual(r["repeats"], 2)
+            for name in ("plain", "dspark"):
+                self.assertGreater(r[f"{name}_tokens_per_s"], 0)
+                self.assertGreater(r[f"{name}_mean_step_ms"], 0)
+                # Counted ops: a decode step runs the model (at least the
+                # embedding, attention and experts of every layer).
+                self.assertGreater(r[f"{name}_ops_per_step"], 20)
+                self.assertGreater(r[f"{name}_allocs_per_step"], 0)
+                self.assertLess(r[f"{name}_allocs_per_step"], r[f"{name}_ops_per_step"])
+            # Plain decoding: 8 decode steps per round (the first token is
+            # prefill's); DSpark needs at most as many.
+            self.assertEqual(r["plain_decode_steps"], 2 * 8)
+            self.assertLessEqual(r["dspark_decode_steps"], r["plain_decode_steps"])
+            self.assertEqual(r["step_pairs"], r["dspark_decode_steps"])
+            lo, hi = r["step_cost_ratio_ci95"]
+            self.assertLess(lo, r["step_cost_ratio"])
+            self.assertLess(r["step_cost_ratio"], hi)
+            # DSpark also runs the draft and verifies gamma + 1 rows.
+            self.assertGreater(r["dspark_ops_per_step"], r["plain_ops_per_step"])
             self.assertAlmostEqual(
                 r["speedup"], r["dspark_tokens_per_s"] / r["plain_tokens_per_s"]
             )
-            self.assertEqual(r["repeats"], 2)
-            for name in ("plain", "dspark"):
-                lo, hi = r[f"{name}_tokens_per_s_range"]
-                self.assertLessEqual(lo, r[f"{name}_tokens_per_s"])
-                self.assertLessEqual(r[f"{name}_tokens_per_s"], hi)
             self.assertGreaterEqual(r["accept_length"], 1.0)
             self.assertLessEqual(r["accept_length"], 6.0)
-        text = out.getvalue()
         self.assertIn("bs=1 ", text)
+        self.assertIn("step cost dspark/plain", text)
+        self.assertIn("aten ops", text)
         self.assertIn("greedy equal: True", text)
         self.assertIn(f"wrote {path}", text)
 
     def test_sampling_reports_no_equality(self):
-        with (
-            contextlib.redirect_stdout(io.StringIO()),
-            contextlib.redirect_stderr(io.StringIO()),
-        ):
-            rc = bench_one_batch.main(
-                ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
-                + ["--temperature", "0.7"]
-            )
+        rc, text = _main(
+            ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
+            + ["--temperature", "0.7", "--repeats", "1"]
+        )
         self.assertEqual(rc, 0)
+        self.assertIn("greedy equal: n/a (sampling)", text)
+        self.assertNotIn("aten ops", text)  # only with --count-ops
 
     def test_bad_arguments(self):
         for argv in (
@@ -74,6 +90,53 @@ class TestBenchOneBatch(CustomTestCase):
                     with self.assertRaises(SystemExit) as ctx:
                         bench_one_batch.main(argv)
                 self.assertEqual(ctx.exception.code, 2)
+
+    def test_json_path_checked_before_the_run(self):
+        with tempfile.TemporaryDirectory() as d:
+            missing = os.path.join(d, "no-such-folder", "bench.json")
+            for path, says in ((missing, "does not exist"), (d, "is a folder")):
+                with self.subTest(path=path):
+                    err = io.StringIO()
+                    with (
+                        mock.patch.object(bench_one_batch, "run") as run,
+                        contextlib.redirect_stderr(err),
+                        self.assertRaises(SystemExit) as ctx,
+                    ):
+                        bench_one_batch.main(["--json", path])
+                    self.assertEqual(ctx.exception.code, 2)
+                    self.assertIn(says, err.getvalue())
+                    run.assert_not_called()
+
+
+class TestPairedRatio(CustomTestCase):
+    def test_t_quantile(self):
+        # Student's t 97.5% points from the tables.
+        for df, t in ((2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042), (120, 1.980)):
+            with self.subTest(df=df):
+                self.assertAlmostEqual(
+                    bench_one_batch._t_quantile_975(df), t, delta=0.04
+                )
+
+    def test_interval_on_log_ratios(self):
+        pairs = [(1.0, 2.0), (2.0, 4.4), (1.5, 2.7), (3.0, 6.6), (1.0, 1.9)]
+        ratio, lo, hi = bench_one_batch.paired_ratio(pairs)
+        logs = [math.log(b / a) for a, b in pairs]
+        self.assertAlmostEqual(ratio, math.exp(statistics.fmean(logs)))
+        half = 2.776 * statistics.stdev(logs) / math.sqrt(5)  # t(0.975, df=4)
+        self.assertAlmostEqual(lo, ratio * math.exp(-half), places=2)
+        self.assertAlmostEqual(hi, ratio * math.exp(half), places=2)
+        # Scaling one engine's times scales the ratio and its interval.
+        scaled = bench_one_batch.paired_ratio([(a, 3 * b) for a, b in pairs])
+        for x, y in zip(scaled, (ratio, lo, hi)):
+            self.assertAlmostEqual(x, 3 * y)
+
+    def test_constant_ratio_and_too_few_pairs(self):
+        same = bench_one_batch.paired_ratio([(1.0, 1.5), (2.0, 3.0), (4.0, 6.0)])
+        for x in same:  # no spread: a zero-width interval
+            self.assertAlmostEqual(x, 1.5)
+        ratio, lo, hi = bench_one_batch.paired_ratio([(1.0, 2.0), (1.0, 3.0)])
+        self.assertAlmostEqual(ratio, math.sqrt(6))
+        self.assertEqual((lo, hi), (None, None))
 
 
 if __name__ == "__main__":

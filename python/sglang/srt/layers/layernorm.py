@@ -9,5 +9,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.eps) * self.weight
+        # x: [T, hidden]. In place on the [T, 1] statistic: same ops, fewer
+        # allocations.
+        scale = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return x * scale * self.weight

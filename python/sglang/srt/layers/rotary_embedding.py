@@ -1,9 +1,18 @@
+"""Rotary positions (neox layout).
+
+A model holds one ``RotaryEmbedding``; each forward gathers the rows' cos/sin
+once (``cos_sin``) and every layer applies them with ``apply_rotary``.
+"""
+
+from typing import Tuple
+
 import torch
 from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary positions (neox layout) from a cos/sin table built once."""
+    """cos/sin tables built once, laid out so that one rotation is
+    ``x * cos + swap_halves(x) * sin`` over the whole head (see apply_rotary)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float = 10000.0):
         super().__init__()
@@ -11,13 +20,33 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"head_dim must be even, got {head_dim}")
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
         freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
-        # [max_position, head_dim // 2] each
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()  # [max_position, head_dim // 2] each
+        # [max_position, head_dim]: (cos, cos) and (-sin, sin), so the first
+        # half gets x1*cos - x2*sin and the second x2*cos + x1*sin.
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32  # [T]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:  # [T, 1, head_dim] each
+        """The rows' tables, gathered once per forward for every layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        return cos, self.sin[positions].unsqueeze(1).to(dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return apply_rotary(x, *self.cos_sin(positions, x.dtype))
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [T, heads, head_dim]
+    cos: torch.Tensor,  # [T, 1, head_dim]: (cos, cos)
+    sin: torch.Tensor,  # [T, 1, head_dim]: (-sin, sin)
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """Neox rotation in four kernels. The same products and sums as
+    ``cat(x1*cos - x2*sin, x2*cos + x1*sin)``: a - b == a + (-b) exactly."""
+    half = x.shape[-1] // 2
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # (x2, x1), a copy
+    out = x * cos
+    out += swapped.mul_(sin)
+    return out

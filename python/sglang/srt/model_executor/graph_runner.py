@@ -134,12 +134,12 @@ class GraphRunner:
         self.out_cache_loc[:n].copy_(forward_batch.out_cache_loc)
         self.kv_lens[:n].copy_(forward_batch.kv_lens)
         self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
-        # Dummy rows: the dummy request, scratch slot, one visible key.
-        self.input_ids[n:m].zero_()
-        self.positions[n:m].zero_()
-        self.out_cache_loc[n:m].fill_(SCRATCH_SLOT)
-        self.kv_lens[n:m].fill_(1)
-        self.req_pool_indices[bs:bucket].fill_(DUMMY_REQ_INDEX)
+        if n < m:  # dummy rows: the dummy request, scratch slot, one visible key
+            self.input_ids[n:m].zero_()
+            self.positions[n:m].zero_()
+            self.out_cache_loc[n:m].fill_(SCRATCH_SLOT)
+            self.kv_lens[n:m].fill_(1)
+            self.req_pool_indices[bs:bucket].fill_(DUMMY_REQ_INDEX)
         with_scalar = forward_batch.num_token_non_padded is not None
         if with_scalar:
             self.num_token_non_padded.copy_(forward_batch.num_token_non_padded)
@@ -150,6 +150,8 @@ class GraphRunner:
             graph.replay()
         else:
             out = self.forward(self._padded_batch(bucket, with_scalar))
+        if n == m and not self.use_cuda_graph:
+            return out  # no padding, and no graph output to keep private
         aux = out.aux_hidden_states
         if aux is not None:
             rows = bs if self.capture_hidden_mode == CaptureHiddenMode.LAST else n

@@ -13,7 +13,9 @@ from typing import Tuple
 import torch
 from torch import nn
 
+from sglang.srt.layers.attention import AttentionMetadata
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.tiny_moe import (
     ModelOutput,
@@ -55,6 +57,8 @@ class DSparkDraftModel(nn.Module):
         # Low-rank Markov head: correction(x_prev) = W2(W1[x_prev]).
         self.markov_w1 = nn.Embedding(tcfg.vocab_size, config.markov_rank)
         self.markov_w2 = nn.Linear(config.markov_rank, tcfg.vocab_size, bias=False)
+        # The draft's own table (same positions as the target's).
+        self.rotary_emb = RotaryEmbedding(tcfg.head_dim, tcfg.max_position)
 
     @torch.no_grad()
     def write_context(
@@ -64,15 +68,20 @@ class DSparkDraftModel(nn.Module):
         forward_batch: ForwardBatch,  # positions and out_cache_loc of those rows
     ) -> None:
         context = self.context_norm(self.fc(aux_hidden_states))  # [T, hidden]
+        cos, sin = self.rotary_emb.cos_sin(forward_batch.positions, context.dtype)
         for layer in self.layers:
-            layer.self_attn.write_kv(forward_batch.positions, context, forward_batch)
+            layer.self_attn.write_kv(
+                hidden=context, cos=cos, sin=sin, forward_batch=forward_batch
+            )
 
     @torch.no_grad()
     def forward(self, forward_batch: ForwardBatch) -> ModelOutput:
-        positions = forward_batch.positions
         hidden = self.embed_tokens(forward_batch.input_ids)  # [T, hidden]
+        metadata = AttentionMetadata.init_new(
+            forward_batch=forward_batch, rotary=self.rotary_emb, dtype=hidden.dtype
+        )
         for layer in self.layers:
-            hidden = layer(positions, hidden, forward_batch)
+            hidden = layer(hidden, forward_batch, metadata)
         return ModelOutput(logits=self.lm_head(self.norm(hidden)))
 
     @torch.no_grad()

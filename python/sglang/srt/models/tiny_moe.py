@@ -7,10 +7,10 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from sglang.srt.layers.attention import slot_attention
+from sglang.srt.layers.attention import AttentionMetadata, slot_attention
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.moe.ep_moe import EPMoE
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 
 
@@ -44,30 +44,44 @@ class TinyMoEAttention(nn.Module):
         h = config.hidden_size
         self.qkv_proj = nn.Linear(h, 3 * h, bias=False)
         self.o_proj = nn.Linear(h, h, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position)
 
     def write_kv(
-        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        *,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim], the rows' rotary tables
+        sin: torch.Tensor,
+        forward_batch: ForwardBatch,
     ) -> None:
         """K/V of ``hidden`` into this layer's cache at ``out_cache_loc``."""
-        h = hidden.shape[-1]
-        k, v = self.qkv_proj(hidden)[:, h:].split(h, dim=-1)
-        self._write(positions, k, v, forward_batch)
-
-    def _write(self, positions, k, v, forward_batch: ForwardBatch) -> None:
-        k = self.rotary(positions, k.view(-1, self.num_heads, self.head_dim))
-        v = v.view(-1, self.num_heads, self.head_dim)
+        kv = self.qkv_proj(hidden).view(-1, 3 * self.num_heads, self.head_dim)
+        k = apply_rotary(kv[:, self.num_heads : 2 * self.num_heads], cos, sin)
         forward_batch.token_to_kv_pool.write(
-            self.layer_id, forward_batch.out_cache_loc, k, v
+            self.layer_id, forward_batch.out_cache_loc, k, kv[:, 2 * self.num_heads :]
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        forward_batch: ForwardBatch,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
-        self._write(positions, k, v, forward_batch)
-        q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        out = slot_attention(q=q, layer=self.layer_id, forward_batch=forward_batch)
+        heads = self.num_heads
+        qkv = self.qkv_proj(hidden).view(-1, 3 * heads, self.head_dim)
+        # q and k rotated together: one set of kernels for both.
+        qk = apply_rotary(qkv[:, : 2 * heads], metadata.cos, metadata.sin)
+        forward_batch.token_to_kv_pool.write(
+            self.layer_id,
+            forward_batch.out_cache_loc,
+            qk[:, heads:],
+            qkv[:, 2 * heads :],
+        )
+        out = slot_attention(
+            q=qk[:, :heads],
+            layer=self.layer_id,
+            forward_batch=forward_batch,
+            metadata=metadata,
+        )
         return self.o_proj(out)
 
 
@@ -86,14 +100,18 @@ class TinyMoEDecoderLayer(nn.Module):
             top_k=top_k,
         )
 
-    def forward(self, positions, hidden, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), forward_batch
-        )
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        forward_batch: ForwardBatch,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), forward_batch, metadata)
+        hidden = attn.add_(hidden)  # a fresh tensor: the residual adds in place
         moe_out = self.mlp(
             self.post_attention_layernorm(hidden), forward_batch.num_token_non_padded
         )
-        return hidden + moe_out
+        return moe_out.add_(hidden)
 
 
 class TinyMoEForCausalLM(nn.Module):
@@ -110,6 +128,8 @@ class TinyMoEForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.layers_to_capture: Tuple[int, ...] = ()
+        # One table for every layer: each forward gathers its rows' cos/sin once.
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position)
 
     def set_layers_to_capture(self, layer_ids: Sequence[int]) -> None:
         """Layers whose outputs are returned, concatenated, when asked to capture."""
@@ -122,11 +142,13 @@ class TinyMoEForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, forward_batch: ForwardBatch) -> ModelOutput:
-        positions = forward_batch.positions
         hidden = self.embed_tokens(forward_batch.input_ids)  # [T, H]
+        metadata = AttentionMetadata.init_new(
+            forward_batch=forward_batch, rotary=self.rotary_emb, dtype=hidden.dtype
+        )
         captured = []
         for i, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, forward_batch)
+            hidden = layer(hidden, forward_batch, metadata)
             if i in self.layers_to_capture:
                 captured.append(hidden)
         logits = self.lm_head(self.norm(hidden))

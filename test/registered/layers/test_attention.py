@@ -1,0 +1,210 @@
+"""Slot attention reads keys only up to the batch's longest kv_len, from
+metadata built once per forward (slots, mask, rotary tables) and shared by
+every layer; it equals attention over the table's full width."""
+
+import unittest
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.layers.attention import AttentionMetadata, kv_read_bound, slot_attention
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_INDEX, KVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
+from sglang.srt.models.registry import init_random_weights
+from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=3, suite="base-a-test-cpu")
+
+CONFIG = TinyMoEConfig()
+WIDTH = 48  # request->slot table width (the context length)
+HEADS, DIM = CONFIG.num_heads, CONFIG.head_dim
+
+
+class _Pools:
+    """Three requests with scattered slots and random K/V in every slot."""
+
+    def __init__(self, num_layers: int = CONFIG.num_layers):
+        gen = torch.Generator().manual_seed(0)
+        self.req_pool = ReqToTokenPool(max_reqs=3, max_context_len=WIDTH, device="cpu")
+        slots = 3 * WIDTH
+        self.kv_pool = KVPool(
+            num_layers=num_layers,
+            num_slots=slots,
+            num_heads=HEADS,
+            head_dim=DIM,
+            dtype=torch.float32,
+            device="cpu",
+        )
+        self.kv_pool.k.copy_(torch.randn(self.kv_pool.k.shape, generator=gen))
+        self.kv_pool.v.copy_(torch.randn(self.kv_pool.v.shape, generator=gen))
+        order = torch.randperm(slots, generator=gen) + 1
+        for row in (1, 2, 3):
+            self.req_pool.req_to_token[row] = order[(row - 1) * WIDTH : row * WIDTH]
+
+    def batch(self, rows, starts, q_len, *, non_causal=False, vocab=CONFIG.vocab_size):
+        """q_len rows per request from each start position (request-major)."""
+        req = torch.tensor(rows)
+        positions = (torch.tensor(starts).unsqueeze(1) + torch.arange(q_len)).view(-1)
+        kv_lens = positions + 1
+        if non_causal:  # a whole block sees the block's last position
+            kv_lens = kv_lens.view(len(rows), q_len)[:, -1:].expand(-1, q_len)
+        table = self.req_pool.req_to_token
+        return ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY if q_len > 1 else ForwardMode.DECODE,
+            batch_size=len(rows),
+            tokens_per_req=q_len,
+            input_ids=torch.randint(0, vocab - 1, (len(rows) * q_len,)),
+            positions=positions,
+            out_cache_loc=table[req.repeat_interleave(q_len), positions],
+            req_pool_indices=req,
+            kv_lens=kv_lens.reshape(-1),
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+        )
+
+
+def _full_width_attention(q, layer, fb: ForwardBatch) -> torch.Tensor:
+    """Every request's whole table row, masked: what attention read before."""
+    bs, q_len = fb.batch_size, fb.tokens_per_req
+    slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices]  # [bs, WIDTH]
+    k = fb.token_to_kv_pool.k[layer][slots]
+    v = fb.token_to_kv_pool.v[layer][slots]
+    mask = torch.arange(WIDTH).view(1, 1, -1) < fb.kv_lens.view(bs, q_len, 1)
+    out = F.scaled_dot_product_attention(
+        q.view(bs, q_len, HEADS, DIM).transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask.unsqueeze(1),
+    )
+    return out.transpose(1, 2).reshape(bs * q_len, HEADS * DIM)
+
+
+class TestBoundedReads(CustomTestCase):
+    def setUp(self):
+        super().setUp()
+        self.pools = _Pools()
+        self.rope = RotaryEmbedding(DIM, CONFIG.max_position)
+
+    def _metadata(self, fb):
+        return AttentionMetadata.init_new(
+            forward_batch=fb, rotary=self.rope, dtype=torch.float32
+        )
+
+    def test_metadata(self):
+        fb = self.pools.batch([2, 1, 3], [5, 17, 9], 4)
+        md = self._metadata(fb)
+        self.assertEqual(md.kv_bound, 21)  # the longest kv_len: 17 + 4
+        table = self.pools.req_pool.req_to_token
+        self.assertTrue(torch.equal(md.kv_slots, table[[2, 1, 3], :21].reshape(-1)))
+        self.assertEqual(tuple(md.attn_mask.shape), (3, 1, 4, 21))
+        seen = torch.arange(21).view(1, 1, 1, -1) < fb.kv_lens.view(3, 1, 4, 1)
+        self.assertTrue(bool((md.attn_mask[seen] == 0).all()))
+        self.assertTrue(bool((md.attn_mask[~seen] == float("-inf")).all()))
+        cos, sin = self.rope.cos_sin(fb.positions)
+        self.assertTrue(torch.equal(md.cos, cos) and torch.equal(md.sin, sin))
+
+    def test_equals_full_width_attention(self):
+        gen = torch.Generator().manual_seed(5)
+        cases = {
+            "decode": self.pools.batch([1, 3], [30, 2], 1),
+            "verify": self.pools.batch([3, 2, 1], [0, 40, 11], 6),
+            "draft block": self.pools.batch([2, 3], [7, 19], 5, non_causal=True),
+            # A padded bucket: the dummy request sees one key (scratch).
+            "padding": self.pools.batch([1, DUMMY_REQ_INDEX], [12, 0], 1),
+        }
+        cases["padding"].kv_lens[1] = 1
+        for name, fb in cases.items():
+            with self.subTest(name):
+                q = torch.randn(fb.num_tokens, HEADS, DIM, generator=gen)
+                md = self._metadata(fb)
+                self.assertLess(md.kv_bound, WIDTH)
+                for layer in (0, 3):
+                    out = slot_attention(
+                        q=q, layer=layer, forward_batch=fb, metadata=md
+                    )
+                    ref = _full_width_attention(q, layer, fb)
+                    # The kernel's reduction lanes depend on the key count:
+                    # equal up to rounding, not bitwise.
+                    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+    def test_read_bound(self):
+        kv_lens = torch.tensor([3, 30, 7])
+        self.assertEqual(kv_read_bound(kv_lens=kv_lens, width=48, capturing=False), 30)
+        self.assertEqual(kv_read_bound(kv_lens=kv_lens, width=20, capturing=False), 20)
+        # Under CUDA-graph capture: static shapes, no device read.
+        with mock.patch.object(torch.Tensor, "max", side_effect=AssertionError):
+            self.assertEqual(
+                kv_read_bound(kv_lens=kv_lens, width=48, capturing=True), 48
+            )
+
+
+class TestMetadataOncePerForward(CustomTestCase):
+    """Target and draft build the metadata once per forward; the layers
+    only read it."""
+
+    def _count(self, fn):
+        with (
+            mock.patch.object(
+                AttentionMetadata, "init_new", wraps=AttentionMetadata.init_new
+            ) as init_new,
+            mock.patch.object(
+                RotaryEmbedding,
+                "cos_sin",
+                autospec=True,
+                side_effect=RotaryEmbedding.cos_sin,
+            ) as cos_sin,
+            OpCounter() as ops,
+        ):
+            fn()
+        return init_new.call_count, cos_sin.call_count, ops.by_op
+
+    def test_target_and_draft(self):
+        target = TinyMoEForCausalLM(CONFIG)
+        init_random_weights(target, seed=0)
+        target.set_layers_to_capture((1, 2))
+        draft = DSparkDraftModel(DSparkDraftConfig(), target)
+        init_random_weights(draft, seed=1)
+        pools, draft_pools = _Pools(), _Pools(num_layers=1)
+        verify = pools.batch([1, 2], [20, 33], 6)
+        verify.capture_hidden_mode = CaptureHiddenMode.FULL
+        block = draft_pools.batch([1, 2], [20, 33], 5, non_causal=True)
+        layers = CONFIG.num_layers
+        out = {}
+
+        def run_target():
+            out["target"] = target(verify)
+
+        for name, fn, n_layers in (
+            ("target", run_target, layers),
+            ("draft", lambda: draft(block), 1),
+        ):
+            with self.subTest(name):
+                init_new, cos_sin, by_op = self._count(fn)
+                self.assertEqual((init_new, cos_sin), (1, 1))
+                self.assertEqual(by_op["aten::arange"], 1)
+                self.assertEqual(by_op["aten::masked_fill_.Scalar"], 1)
+                self.assertNotIn("aten::where.self", by_op)  # no per-layer mask
+                attention = "aten::_scaled_dot_product_flash_attention_for_cpu"
+                self.assertEqual(by_op[attention], n_layers)
+        # Committing context to the draft: one table for its layers.
+        ctx = draft_pools.batch([1, 2], [20, 33], 6)
+        _, cos_sin, _ = self._count(
+            lambda: draft.write_context(
+                aux_hidden_states=out["target"].aux_hidden_states, forward_batch=ctx
+            )
+        )
+        self.assertEqual(cos_sin, 1)
+
+
+if __name__ == "__main__":
+    unittest.main()

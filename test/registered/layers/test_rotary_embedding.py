@@ -1,0 +1,76 @@
+"""Rotary positions: the per-forward tables and the four-kernel rotation give
+exactly the neox formula's values."""
+
+import math
+import unittest
+
+import torch
+
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=2, suite="base-a-test-cpu")
+
+HEAD_DIM, MAX_POS, BASE = 16, 64, 10000.0
+
+
+def _neox(positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The textbook rotation: halves (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    inv_freq = 1.0 / (BASE ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    freqs = torch.outer(torch.arange(MAX_POS).float(), inv_freq)
+    cos = freqs.cos()[positions].unsqueeze(1)
+    sin = freqs.sin()[positions].unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class TestRotaryEmbedding(CustomTestCase):
+    def setUp(self):
+        super().setUp()
+        self.rope = RotaryEmbedding(HEAD_DIM, MAX_POS, BASE)
+        gen = torch.Generator().manual_seed(3)
+        self.positions = torch.randint(0, MAX_POS, (11,), generator=gen)
+        self.x = torch.randn(11, 6, HEAD_DIM, generator=gen)
+
+    def test_bitwise_equal_to_the_neox_formula(self):
+        ref = _neox(self.positions, self.x)
+        self.assertTrue(torch.equal(self.rope(self.positions, self.x), ref))
+        cos, sin = self.rope.cos_sin(self.positions)
+        self.assertTrue(torch.equal(apply_rotary(self.x, cos, sin), ref))
+
+    def test_rotates_a_strided_view(self):
+        # The attention rotates q and k together, a column slice of qkv.
+        qkv = torch.randn(
+            11, 3 * 6, HEAD_DIM, generator=torch.Generator().manual_seed(4)
+        )
+        cos, sin = self.rope.cos_sin(self.positions)
+        out = apply_rotary(qkv[:, :12], cos, sin)
+        self.assertTrue(torch.equal(out, _neox(self.positions, qkv[:, :12].clone())))
+        self.assertTrue(torch.equal(out[:, 6:], _neox(self.positions, qkv[:, 6:12])))
+
+    def test_tables(self):
+        cos, sin = self.rope.cos_sin(self.positions)
+        self.assertEqual(tuple(cos.shape), (11, 1, HEAD_DIM))
+        self.assertEqual(tuple(sin.shape), (11, 1, HEAD_DIM))
+        # Position 0 is the identity; norms are kept at every position.
+        zero = torch.zeros(1, dtype=torch.int64)
+        self.assertTrue(torch.equal(self.rope(zero, self.x[:1]), self.x[:1]))
+        torch.testing.assert_close(
+            self.rope(self.positions, self.x).norm(dim=-1), self.x.norm(dim=-1)
+        )
+        angle = float(self.positions[0]) * 1.0  # first frequency is 1
+        self.assertAlmostEqual(float(cos[0, 0, 0]), math.cos(angle), places=5)
+        self.assertAlmostEqual(float(sin[0, 0, 0]), -math.sin(angle), places=5)
+
+    def test_keeps_the_input_dtype(self):
+        x = self.x.to(torch.bfloat16)
+        self.assertEqual(self.rope(self.positions, x).dtype, torch.bfloat16)
+
+    def test_odd_head_dim(self):
+        with self.assertRaisesRegex(ValueError, "head_dim must be even, got 7"):
+            RotaryEmbedding(7, MAX_POS)
+
+
+if __name__ == "__main__":
+    unittest.main()
