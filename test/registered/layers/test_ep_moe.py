@@ -113,8 +113,15 @@ class TestGroupedExperts(CustomTestCase):
         hit = int(topk.topk_ids[:4].unique().numel())
         with torch.no_grad(), OpCounter() as c:
             moe(x, scalar)
-        self.assertEqual(c.by_op["aten::bincount"], 1)  # its .tolist() is the read
-        for op in ("aten::nonzero", "aten::_local_scalar_dense", "aten::eq.Scalar"):
+        # The group ends' .tolist() is the one host read.
+        self.assertEqual(c.by_op["aten::searchsorted.Tensor"], 1)
+        self.assertEqual(c.by_op["aten::sort.stable"], 1)
+        for op in (
+            "aten::nonzero",
+            "aten::bincount",
+            "aten::_local_scalar_dense",
+            "aten::eq.Scalar",
+        ):
             self.assertNotIn(op, c.by_op)
         # The router's matmul, then two per hit expert: nothing for the others.
         self.assertEqual(c.by_op["aten::mm"], 1 + 2 * hit)

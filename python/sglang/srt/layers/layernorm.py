@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -9,7 +10,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]. In place on the [T, 1] statistic: same ops, fewer
-        # allocations.
-        scale = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return x * scale * self.weight
+        # x: [T, hidden]. One call into torch's composite (on the CPU the same
+        # ops as x * rsqrt(mean(x^2) + eps) * weight), less Python per norm.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

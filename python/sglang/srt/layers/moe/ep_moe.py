@@ -50,6 +50,10 @@ class EPMoE(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(self.num_local, hidden_size, intermediate_size)
         )
+        # 1..E_local: searched in the sorted expert ids, the ends of the groups.
+        self.register_buffer(
+            "_expert_ends", torch.arange(1, self.num_local + 1), persistent=False
+        )
         self._weight_views_key: Optional[Tuple[int, int]] = None
         self._weight_views: Tuple[Tuple[torch.Tensor, ...], ...] = ()
 
@@ -102,7 +106,7 @@ class EPMoE(nn.Module):
         A stable sort keeps each expert's rows in ascending order, so each
         expert computes the same rows in the same order as a loop over
         experts would, and index_add_ adds each row's shares in ascending
-        expert order: the same arithmetic. One host read (the counts); -1
+        expert order: the same arithmetic. One host read (the group ends); -1
         ids and other ranks' experts sort past the local ones, uncomputed.
         """
         num_rows, top_k = topk.topk_ids.shape
@@ -112,15 +116,19 @@ class EPMoE(nn.Module):
             # Not this rank's (or -1, masked): a sentinel past every local expert.
             routed = (local >= 0) & (local < self.num_local)
             local = torch.where(routed, local, self.num_local)
-        order = torch.argsort(local, stable=True)  # [T * top_k]
-        counts = torch.bincount(local, minlength=self.num_local + 1).tolist()
-        num_routed = num_rows * top_k - counts[self.num_local]
+        sorted_ids, order = torch.sort(local, stable=True)  # [T * top_k] each
+        # ends[e]: where expert e's pairs end in the sorted order (searchsorted,
+        # not bincount: CUDA's bincount reads the max back, a second sync).
+        ends = torch.searchsorted(sorted_ids, self._expert_ends).tolist()
+        num_routed = ends[-1]
         out = torch.zeros_like(x)
         if num_routed == 0:
             return out
-        order = order[:num_routed]
+        if num_routed < order.shape[0]:
+            order = order[:num_routed]
         rows = order // top_k  # [R], expert-major, ascending rows per expert
-        xs = x.index_select(0, rows).split(counts[: self.num_local])
+        sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+        xs = x.index_select(0, rows).split(sizes)
         ys = [self._expert(e, xe) for e, xe in enumerate(xs) if xe.shape[0]]
         y = torch.cat(ys) if len(ys) > 1 else ys[0]  # [R, H]
         y *= topk.topk_weights.view(-1).index_select(0, order).unsqueeze(1)
