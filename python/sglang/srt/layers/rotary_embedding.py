@@ -21,17 +21,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
         freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()  # [max_position, head_dim // 2] each
-        # [max_position, head_dim]: (cos, cos) and (-sin, sin), so the first
-        # half gets x1*cos - x2*sin and the second x2*cos + x1*sin.
-        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        # [max_position, 1, head_dim]: (cos, cos) and (-sin, sin), so the first
+        # half gets x1*cos - x2*sin and the second x2*cos + x1*sin; the 1
+        # broadcasts over heads, so a gather is all a forward needs.
+        full_cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+        full_sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        self.register_buffer("cos", full_cos, persistent=False)
+        self.register_buffer("sin", full_sin, persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype = torch.float32  # [T]
     ) -> Tuple[torch.Tensor, torch.Tensor]:  # [T, 1, head_dim] each
         """The rows' tables, gathered once per forward for every layer."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        return cos, self.sin[positions].unsqueeze(1).to(dtype)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, heads, head_dim]
