@@ -14,11 +14,12 @@ interleaved block by block (the order rotates every repeat):
   the only difference is the build itself: the cost the seed measured;
 - ``fixed``: the library as shipped.
 
-A block is one capture: ``C`` fresh requests with the same fixed prompts,
-greedy; after the admission step (prefill, untimed) the next
-``--steps-per-capture`` scheduler steps are timed, and the rest drains
-untimed. Greedy runs are deterministic, so every variant's block runs the
-same steps and the blocks pair up. Printed per concurrency: upstream's table
+A block is one capture: ``C`` requests run greedy on fixed prompts, each
+finished one replaced at once by the next prompt, until
+``--steps-per-capture`` steady-state scheduler steps (nobody joined or left
+since the previous step: no prefill, no batch rebuild) have been timed.
+Greedy runs are deterministic, so every variant's block runs the same steps
+and the blocks pair up. Printed per concurrency: upstream's table
 (mean ms per scheduler step, reduction of fixed vs after), the median and a
 95% CI of the paired after/fixed ratio and of before/fixed (two identical
 paths at EP 1: the noise floor), and per decode step and variant the int32
@@ -146,33 +147,61 @@ class _Bench:
         window=None,
         on_step: Optional[Callable[[], None]] = None,
     ) -> Block:
-        """Admit fresh requests, then run ``steps`` measured scheduler steps
-        (each inside ``per_step()``, all inside ``window``); drain the rest."""
+        """One capture: ``steps`` measured steady-state scheduler steps.
+
+        ``C`` requests run with the fixed prompts; a finished request is
+        replaced at once by the next prompt, so ``C`` stay running. A step is
+        steady when nobody joined or left since the last one (no prefill, no
+        batch rebuild); only those are measured, each inside ``per_step()``
+        and all inside ``window``. The rest are aborted at the end.
+        """
         sched = self.engine.scheduler
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-        reqs = [
-            Req(rid=next(self._rids), origin_input_ids=list(p), sampling_params=params)
-            for p in self.prompts
-        ]
-        for req in reqs:
-            sched.add_request(req)
-        sched.step()  # admission: prefill and the first decode step
+        reqs: List[Req] = []
+
+        def submit(n: int) -> None:
+            for _ in range(n):
+                prompt = self.prompts[len(reqs) % len(self.prompts)]
+                reqs.append(
+                    Req(
+                        rid=next(self._rids),
+                        origin_input_ids=list(prompt),
+                        sampling_params=params,
+                    )
+                )
+                sched.add_request(reqs[-1])
+
+        submit(self.concurrency)
         times, sizes = [], []
+        changed, limit = True, 20 * steps + 100
         with ExitStack() as stack:
             if window is not None:
                 stack.enter_context(window)
-            while sched.has_work() and len(times) < steps:
-                sizes.append(len(sched.running))
-                with per_step():
+            for _ in range(limit):
+                if len(times) == steps:
+                    break
+                steady = not changed and not sched.waiting
+                running = len(sched.running)
+                with per_step() if steady else nullcontext():
                     start = time.perf_counter()
-                    sched.step()
+                    finished = sched.step()
                     if self.is_cuda:
                         torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-                if on_step is not None:
-                    on_step()
-        while sched.has_work():
-            sched.step()
+                    elapsed = time.perf_counter() - start
+                if steady:
+                    times.append(elapsed)
+                    sizes.append(running)
+                    if on_step is not None:
+                        on_step()
+                changed = bool(finished)
+                submit(len(finished))
+        sched.abort_requests([r for r in reqs if not r.finished])
+        if len(times) < steps:
+            raise ValueError(
+                f"only {len(times)} of {steps} steps were steady (no request "
+                f"joining or leaving) in {limit}: raise --output-len "
+                f"(max_new_tokens={max_new_tokens})"
+            )
         return Block(
             output_ids=[list(r.output_ids) for r in reqs],
             step_s=times,
@@ -200,11 +229,9 @@ class _Bench:
             by_op.update(step.by_op)
             sites.extend(step.int32_scalar_sites)
 
-        # Enough tokens that no request finishes inside the counted steps.
-        max_new_tokens = 2 + k * (self.engine.dspark_config.gamma + 1)
         with variant(name):
             block = self.run_block(
-                max_new_tokens=max_new_tokens, steps=k, per_step=counted_step
+                max_new_tokens=self.args.output_len, steps=k, per_step=counted_step
             )
         n = max(len(block.step_s), 1)
         return StepCounts(
@@ -225,27 +252,28 @@ def scalar_own_ops(device: str) -> Dict[str, int]:
     return dict(c.by_op)
 
 
-# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-_T975 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
-_T975 += (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
 def paired_ratio(num: Sequence[float], den: Sequence[float]) -> Dict:
-    """Median of the per-block ratios; 95% CI of their geometric mean (t over
-    log ratios). ``resolvable``: the CI excludes 1."""
+    """Median of the per-block ratios num/den and its distribution-free 95% CI.
+
+    The CI is a pair of order statistics (the sign-test interval): it holds
+    for any noise distribution, so one loaded moment on a shared machine
+    cannot fake a result; it needs at least 6 blocks. ``resolvable``: the
+    CI excludes 1.
+    """
     ratios = [a / b for a, b in zip(num, den)]
+    ordered, n = sorted(ratios), len(ratios)
     out = {"ratios": ratios, "median": statistics.median(ratios)}
-    if len(ratios) < 2:
-        return dict(out, ci95=None, resolvable=False)
-    logs = [math.log(r) for r in ratios]
-    df = len(logs) - 1
-    # Beyond the table, the Cornish-Fisher expansion of t is within 1e-3.
-    t = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.37 / df
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-    mean = statistics.fmean(logs)
-    lo, hi = math.exp(mean - half), math.exp(mean + half)
-    return dict(out, ci95=[lo, hi], resolvable=not lo <= 1.0 <= hi)
+    # Largest k with P(Binomial(n, 1/2) < k) <= 2.5%: [x_(k), x_(n + 1 - k)].
+    k, tail = 0, 0.0
+    while k < n and tail + math.comb(n, k) / 2**n <= 0.025:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return dict(out, ci95=None, coverage=None, resolvable=False)
+    lo, hi = ordered[k - 1], ordered[n - k]
+    return dict(
+        out, ci95=[lo, hi], coverage=1 - 2 * tail, resolvable=not lo <= 1.0 <= hi
+    )
 
 
 def _sub(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
@@ -270,7 +298,7 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
         # Warm-up: allocator, lazy padded batches and graph captures per variant.
         for name in VARIANTS:
             with variant(name):
-                b.run_block(max_new_tokens=4, steps=2)
+                b.run_block(max_new_tokens=args.output_len, steps=2)
         counts = {name: b.count(name) for name in VARIANTS}
         blocks = {name: [] for name in VARIANTS}
         reference = None
@@ -293,7 +321,7 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
                 prof = torch.profiler.profile(activities=_activities(b.is_cuda))
                 with variant(name):
                     b.run_block(
-                        max_new_tokens=args.profile_steps + 2,
+                        max_new_tokens=args.output_len,
                         steps=args.profile_steps,
                         window=prof,
                     )
@@ -417,7 +445,7 @@ def format_report(result: Dict, args: argparse.Namespace) -> str:
 
     def ratio(r: Dict) -> str:
         ci = r["ci95"]
-        span = "n/a" if ci is None else f"{ci[0]:.3f}, {ci[1]:.3f}"
+        span = "n/a: < 6 blocks" if ci is None else f"{ci[0]:.3f}, {ci[1]:.3f}"
         return f"{r['median']:.3f} [{span}]"
 
     for r in rows:
@@ -431,7 +459,7 @@ def format_report(result: Dict, args: argparse.Namespace) -> str:
     for r in rows:
         c, af = r["concurrency"], r["after_over_fixed"]
         if af["ci95"] is None:
-            verdict = "after vs fixed: one block per variant gives no CI"
+            verdict = "after vs fixed: fewer than 6 blocks give no 95% CI"
         elif af["resolvable"]:
             verdict = (
                 f"after/fixed is resolved above the noise: its 95% CI "
@@ -486,9 +514,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--output-len",
         type=int,
-        default=160,
-        help="max_new_tokens per request; enough that the timed window runs "
-        "with every request still running",
+        default=256,
+        help="max_new_tokens per request (a finished request is replaced)",
     )
     p.add_argument("--steps-per-capture", type=int, default=128)
     p.add_argument("--repeats", type=int, default=10, help="blocks per variant")
@@ -534,7 +561,11 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json}: folder {folder} does not exist")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-    result = run(args)
+    try:
+        result = run(args)
+    except ValueError as e:  # e.g. a request that does not fit the KV
+        print(f"bench_dspark_step: error: {e}", file=sys.stderr)
+        return 2
     print(format_report(result, args), flush=True)
     if args.json:
         with open(args.json, "w") as f:

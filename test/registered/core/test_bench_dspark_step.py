@@ -18,14 +18,14 @@ register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 register_cuda_ci(est_time=30, stage="base-b", runner_config="1-gpu-large")
 
 TINY = [
-    "--input-len", "8", "--output-len", "8", "--steps-per-capture", "4",
-    "--repeats", "2", "--count-steps", "2",
+    "--input-len", "8", "--output-len", "24", "--steps-per-capture", "4",
+    "--repeats", "6", "--count-steps", "2",
 ]  # fmt: skip
 
 
-def _main(argv):
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+def _main(argv, stderr=None):
+    stdout, stderr = io.StringIO(), stderr or io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         rc = bench_dspark_step.main(argv)
     return rc, stdout.getvalue()
 
@@ -56,14 +56,18 @@ class TestBenchDSparkStep(CustomTestCase):
             self.assertEqual(sorted(ms), ["after", "before", "fixed"])
             self.assertTrue(all(v > 0 for v in ms.values()))
             for name in ms:  # the table's means are the blocks' means
-                self.assertEqual(len(r["block_ms_per_step"][name]), 2)
+                self.assertEqual(len(r["block_ms_per_step"][name]), 6)
             self.assertAlmostEqual(
                 r["reduction_vs_after_pct"],
                 100 * (ms["after"] - ms["fixed"]) / ms["after"],
             )
             ratio = r["after_over_fixed"]
+            # 6 blocks: the sign-test interval is [min, max], coverage 1 - 2/64.
+            self.assertEqual(
+                ratio["ci95"], [min(ratio["ratios"]), max(ratio["ratios"])]
+            )
+            self.assertAlmostEqual(ratio["coverage"], 1 - 2 / 64)
             lo, hi = ratio["ci95"]
-            self.assertLessEqual(lo, hi)
             self.assertEqual(ratio["resolvable"], not lo <= 1 <= hi)
             self.assertEqual(r["timed_steps_per_block"], 4)
             self.assertTrue(r["greedy_output_equal"])
@@ -106,14 +110,29 @@ class TestBenchDSparkStep(CustomTestCase):
         self.assertEqual(cm.exception.code, 2)
         run.assert_not_called()
 
+    def test_no_steady_steps_is_an_error(self):
+        # Every request ends at its first decode step: someone joins every
+        # step, so no step is steady; the bench says so instead of spinning.
+        argv = TINY[:2] + ["--output-len", "2", "--steps-per-capture", "2"]
+        stderr = io.StringIO()
+        rc, _ = _main(argv + ["--concurrency", "1"], stderr=stderr)
+        self.assertEqual(rc, 2)
+        self.assertIn("steady", stderr.getvalue())
+
     def test_paired_ratio(self):
-        same = bench_dspark_step.paired_ratio([1.1, 2.2, 3.3], [1.0, 2.0, 3.0])
-        self.assertAlmostEqual(same["median"], 1.1)
-        self.assertAlmostEqual(same["ci95"][0], 1.1)
-        self.assertTrue(same["resolvable"])
-        noisy = bench_dspark_step.paired_ratio([0.9, 1.1], [1.0, 1.0])
+        paired = bench_dspark_step.paired_ratio
+        slower = paired([1.1, 2.2, 3.3, 4.4, 5.5, 6.6], [1, 2, 3, 4, 5, 6])
+        self.assertAlmostEqual(slower["median"], 1.1)
+        self.assertAlmostEqual(slower["ci95"][0], 1.1)
+        self.assertTrue(slower["resolvable"])
+        noisy = paired([0.9, 1.1, 1.0, 1.2, 0.95, 1.05], [1.0] * 6)
+        self.assertEqual(noisy["ci95"], [0.9, 1.2])
         self.assertFalse(noisy["resolvable"])
-        self.assertIsNone(bench_dspark_step.paired_ratio([1.0], [1.0])["ci95"])
+        # 10 blocks: the 2nd and 9th order statistics, coverage 1 - 22/1024.
+        ten = paired(list(range(1, 11)), [1.0] * 10)
+        self.assertEqual(ten["ci95"], [2.0, 9.0])
+        self.assertAlmostEqual(ten["coverage"], 1 - 22 / 1024)
+        self.assertIsNone(paired([1.0] * 5, [1.0] * 5)["ci95"])  # < 6 blocks
 
     def test_unknown_variant(self):
         with self.assertRaisesRegex(ValueError, "'later'"):
