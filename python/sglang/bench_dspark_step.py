@@ -428,6 +428,7 @@ def _num(x: float) -> str:
 
 
 def format_report(result: Dict, args: argparse.Namespace) -> str:
+    ep_note = " (EP > 1: both carry a scalar; after builds it, fixed fills a buffer)"
     rows = result["rows"]
     first = rows[0]
     lines = [
@@ -500,7 +501,8 @@ def format_report(result: Dict, args: argparse.Namespace) -> str:
                 f"before == fixed op for op: {'yes' if r['before_equals_fixed'] else 'no'}; "
                 f"after - fixed per step: {per_step or 'nothing'}; the scalar's own ops "
                 f"{r['scalar_own_ops']}: "
-                f"{'yes, nothing else' if r['after_is_fixed_plus_scalar'] else 'no'}; "
+                f"{'yes, nothing else' if r['after_is_fixed_plus_scalar'] else 'no'}"
+                f"{ep_note if args.ep_size > 1 else ''}; "
                 f"greedy output equal across variants: "
                 f"{'yes' if r['greedy_output_equal'] else 'NO'}"
             )
