@@ -52,7 +52,8 @@ def count_decode_steps(engine, prompts=PROMPTS, steps=STEPS):
     """Admit ``prompts`` (untimed, uncounted), then count ``steps`` decode
     steps one by one: [(whole-step counter, model-forward counter), ...]."""
     sched = engine.scheduler
-    params = SamplingParams(max_new_tokens=2 + steps * 8)  # nobody finishes
+    # Nobody finishes: each step (the admission's too) commits <= gamma + 1.
+    params = SamplingParams(max_new_tokens=2 + (steps + 1) * 8)
     for i, ids in enumerate(prompts):
         sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
     sched.step()
@@ -168,19 +169,21 @@ class TestGlueAllocations(CustomTestCase):
         # DSparkDraftModel.markov_correction: same logits, same draft tokens.
         engine = _engine()
         proposer, draft = engine.worker.proposer, engine.worker.draft_model
-        seen = {}
+        seen = {}  # the first decode step's (all three requests running)
         forward, propose = proposer.draft_runner.forward, proposer.propose
 
         def spy_forward(forward_batch):
             out = forward(forward_batch)
-            seen["base"] = out.logits.clone()
+            seen.setdefault("base", out.logits.clone())
             return out
 
         def spy_propose(*, batch, window, generator=None):
-            seen["anchor"] = batch.last_ids.clone()
+            seen.setdefault("anchor", batch.last_ids.clone())
             proposal = propose(batch=batch, window=window, generator=generator)
-            seen["tokens"] = proposal.draft_tokens.clone()
-            seen["logits"] = proposer._draft_logits[: batch.batch_size].clone()
+            seen.setdefault("tokens", proposal.draft_tokens.clone())
+            seen.setdefault(
+                "logits", proposer._draft_logits[: batch.batch_size].clone()
+            )
             return proposal
 
         proposer.draft_runner.forward = spy_forward
