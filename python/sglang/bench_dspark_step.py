@@ -56,6 +56,9 @@ from sglang.srt.speculative.dspark_components import dspark_draft
 from sglang.srt.utils.op_counter import OpCounter, count_calls
 
 VARIANTS = ("before", "after", "fixed")
+# Every order in turn: over 6 repeats each variant runs first, second and
+# third equally often and follows each other variant equally often.
+ORDERS = list(itertools.permutations(VARIANTS))
 
 
 def regressed_make_num_token_non_padded(num_tokens, device, *, out=None):
@@ -252,6 +255,26 @@ def scalar_own_ops(device: str) -> Dict[str, int]:
     return dict(c.by_op)
 
 
+def scalar_cost_us(device: str, calls: int = 2000, rounds: int = 5) -> Dict:
+    """The helper's own cost per call, timed alone: the regressed build vs
+    the shipped helper (best of ``rounds``, interleaved), in microseconds."""
+    buf = torch.zeros((), dtype=torch.int32, device=device)
+    helpers = {
+        "after": lambda: regressed_make_num_token_non_padded(40, device),
+        "fixed": lambda: dspark_draft._make_num_token_non_padded(40, device, out=buf),
+    }
+    best = {name: math.inf for name in helpers}
+    for _ in range(rounds):
+        for name, helper in helpers.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                helper()
+            if buf.is_cuda:
+                torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return {name: 1e6 * t for name, t in best.items()}
+
+
 def paired_ratio(num: Sequence[float], den: Sequence[float]) -> Dict:
     """Median of the per-block ratios num/den and its distribution-free 95% CI.
 
@@ -304,7 +327,7 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
         reference = None
         equal = True
         for r in range(args.repeats):
-            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]  # rotate against drift
+            order = ORDERS[r % len(ORDERS)]
             for name in order:
                 bar.set_postfix_str(f"C={c} {name}")
                 with variant(name):
@@ -336,6 +359,7 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
         }
         ms = {name: statistics.fmean(means[name]) for name in VARIANTS}
         own = scalar_own_ops(b.engine.server_args.device)
+        cost = scalar_cost_us(b.engine.server_args.device)
         k = args.count_steps
         after_minus_fixed = _sub(counts["after"].by_op, counts["fixed"].by_op)
         timed = blocks["fixed"][0]
@@ -354,6 +378,10 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
                 "counts": {name: asdict(v) for name, v in counts.items()},
                 "count_steps": k,
                 "scalar_own_ops": own,
+                "scalar_cost_us": cost,
+                "scalar_cost_pct_of_fixed": 100
+                * (cost["after"] - cost["fixed"])
+                / (1e3 * ms["fixed"]),
                 "before_equals_fixed": counts["before"].by_op == counts["fixed"].by_op,
                 "after_minus_fixed": after_minus_fixed,
                 "after_is_fixed_plus_scalar": after_minus_fixed
@@ -472,8 +500,12 @@ def format_report(result: Dict, args: argparse.Namespace) -> str:
                 f"of after/fixed [{af['ci95'][0]:.3f}, {af['ci95'][1]:.3f}] "
                 "includes 1"
             )
+        cost = r["scalar_cost_us"]
         lines.append(
-            f"C={c}: {verdict}. {r['timed_steps_per_block']} timed steps per block, "
+            f"C={c}: {verdict}. The scalar's own cost, timed alone: "
+            f"{cost['after']:.2f} us (after) vs {cost['fixed']:.2f} us (fixed) per "
+            f"step, {r['scalar_cost_pct_of_fixed']:.2f}% of a fixed step. "
+            f"{r['timed_steps_per_block']} timed steps per block, "
             f"{r['full_batch_steps']} of them with all C={c} requests running."
         )
     for rank, rank_rows in enumerate(result["ranks"]):
@@ -520,7 +552,9 @@ def main(argv=None) -> int:
         help="max_new_tokens per request (a finished request is replaced)",
     )
     p.add_argument("--steps-per-capture", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=10, help="blocks per variant")
+    p.add_argument(
+        "--repeats", type=int, default=12, help="blocks per variant (6 orders)"
+    )
     p.add_argument(
         "--count-steps", type=int, default=4, help="steps counted per variant"
     )

@@ -70,6 +70,8 @@ class TestBenchDSparkStep(CustomTestCase):
             lo, hi = ratio["ci95"]
             self.assertEqual(ratio["resolvable"], not lo <= 1 <= hi)
             self.assertEqual(r["timed_steps_per_block"], 4)
+            cost = r["scalar_cost_us"]  # the helper timed alone
+            self.assertTrue(cost["after"] > 0 and cost["fixed"] > 0)
             self.assertTrue(r["greedy_output_equal"])
             line = f"| {r['concurrency']} | {ms['before']:.3f} ms |"
             self.assertIn(line, self.stdout)
@@ -118,6 +120,12 @@ class TestBenchDSparkStep(CustomTestCase):
         rc, _ = _main(argv + ["--concurrency", "1"], stderr=stderr)
         self.assertEqual(rc, 2)
         self.assertIn("steady", stderr.getvalue())
+
+    def test_six_repeats_run_every_order(self):
+        orders = bench_dspark_step.ORDERS
+        self.assertEqual(len(set(orders)), 6)
+        for name in bench_dspark_step.VARIANTS:  # first, second, third twice each
+            self.assertEqual(sorted(o.index(name) for o in orders), [0, 0, 1, 1, 2, 2])
 
     def test_paired_ratio(self):
         paired = bench_dspark_step.paired_ratio
