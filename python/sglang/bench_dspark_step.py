@@ -130,6 +130,7 @@ class _Bench:
             ),
             disable_cuda_graph=args.disable_cuda_graph,
             num_threads=args.num_threads,
+            dist_timeout=args.ep_timeout,  # the engine builds its EP groups with it
         )
         self.is_cuda = self.engine.server_args.device.startswith("cuda")
         rng = random.Random(args.seed)
