@@ -43,7 +43,7 @@ class _World:
 
     def __init__(self, device):
         self.device = device
-        self.model = load_target("tiny-moe", seed=0, device=device)
+        self.model = load_target("random-tiny-moe", seed=0, device=device)
         self.model.set_layers_to_capture(CAPTURED_LAYERS)
         cfg = self.model.config
         self.prompt_lens = [4 + i for i in range(NUM_REQS)]

@@ -1,11 +1,16 @@
-"""The embedded model pairs: no downloads, weights drawn from a seed.
+"""The embedded models: shipped checkpoints, and seeded random presets.
 
-A "model path" here names a preset, and ``get_hf_config`` gives its config
-the way a checkpoint's ``config.json`` would: ``tiny-moe`` bundles a DSpark
-draft (upstream's ``dspark_*`` fields), ``tiny-moe-nodraft`` is a target with
-none, and ``tiny-moe-dspark-b3`` is a separate draft with a block of 3.
+A model path is either a checkpoint directory (``config.json`` +
+``model.safetensors``, read by ``srt/model_loader/loader.py``) or the name
+of a random preset, whose name says so. The default is the shipped, trained
+``checkpoints/tiny-moe-dspark``: a target that bundles its DSpark draft
+(upstream's ``dspark_*`` fields); ``checkpoints/tiny-moe-dspark-draft`` is
+the same draft alone. The presets: ``random-tiny-moe`` (bundles a draft),
+``random-tiny-moe-nodraft`` and the separate draft ``random-tiny-moe-dspark-b3``
+(block of 3). Retrain the shipped pair with ``python -m sglang.train_tiny_pair``.
 """
 
+import os
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Dict, Optional
@@ -14,76 +19,94 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.moe.ep_moe import EPMoE
+from sglang.srt.model_loader.loader import (
+    DRAFT_ARCH,
+    bundles_draft,
+    draft_config_from,
+    dspark_fields,
+    load_draft_checkpoint,
+    load_target_checkpoint,
+    read_config,
+    target_config_from,
+)
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
 
-DEFAULT_MODEL_PATH = "tiny-moe"
+CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+TRAINED_TARGET_PATH = os.path.join(CHECKPOINT_DIR, "tiny-moe-dspark")
+TRAINED_DRAFT_PATH = os.path.join(CHECKPOINT_DIR, "tiny-moe-dspark-draft")
+DEFAULT_MODEL_PATH = TRAINED_TARGET_PATH
 
 
 @dataclass(frozen=True)
 class TargetPreset:
+    """A target's architecture and its bundled draft (a preset's or a
+    checkpoint's)."""
+
     config: TinyMoEConfig
     bundled_draft: Optional[DSparkDraftConfig]  # the draft shipped in its config
 
 
 TARGETS: Dict[str, TargetPreset] = {
-    "tiny-moe": TargetPreset(TinyMoEConfig(), bundled_draft=DSparkDraftConfig()),
-    "tiny-moe-nodraft": TargetPreset(TinyMoEConfig(), bundled_draft=None),
+    "random-tiny-moe": TargetPreset(TinyMoEConfig(), bundled_draft=DSparkDraftConfig()),
+    "random-tiny-moe-nodraft": TargetPreset(TinyMoEConfig(), bundled_draft=None),
 }
 DRAFTS: Dict[str, DSparkDraftConfig] = {
-    "tiny-moe-dspark-b3": DSparkDraftConfig(block_size=3, markov_rank=8),
+    "random-tiny-moe-dspark-b3": DSparkDraftConfig(block_size=3, markov_rank=8),
 }
 
 
-def get_target_preset(name: str) -> TargetPreset:
-    if name not in TARGETS:
-        raise ValueError(f"unknown model path {name!r}; known: {sorted(TARGETS)}")
-    return TARGETS[name]
+def _is_preset(path: str) -> bool:
+    return path in TARGETS or path in DRAFTS
 
 
-def _dspark_fields(draft: DSparkDraftConfig) -> dict:
-    # Upstream's names for the block, Markov rank, context layers and mask id.
-    return {
-        "dspark_block_size": draft.block_size,
-        "dspark_markov_rank": draft.markov_rank,
-        "dspark_target_layer_ids": list(draft.target_layer_ids),
-        "dspark_noise_token_id": draft.mask_token_id,
-        "dspark_num_layers": draft.num_layers,
-        "dspark_num_experts": draft.num_experts,
-        "dspark_top_k": draft.top_k,
-    }
+def _unknown(path: str) -> ValueError:
+    known = sorted(TARGETS) + sorted(DRAFTS)
+    return ValueError(
+        f"unknown model path {path!r}: not a checkpoint directory, nor a random "
+        f"preset ({known})"
+    )
 
 
 def get_hf_config(path: str) -> SimpleNamespace:
-    """The config a checkpoint at ``path`` would carry in its config.json."""
+    """The config a model path carries: its config.json, or a preset's."""
+    if not _is_preset(path):
+        if not os.path.isdir(path):
+            raise _unknown(path)
+        return SimpleNamespace(**read_config(path))
     if path in TARGETS:
         preset = TARGETS[path]
         fields = {"architectures": ["TinyMoEForCausalLM"], **asdict(preset.config)}
         if preset.bundled_draft is not None:
-            fields.update(_dspark_fields(preset.bundled_draft))
+            fields.update(dspark_fields(preset.bundled_draft))
         return SimpleNamespace(**fields)
-    if path in DRAFTS:
-        return SimpleNamespace(
-            architectures=["DSparkDraftModel"], **_dspark_fields(DRAFTS[path])
-        )
-    known = sorted(TARGETS) + sorted(DRAFTS)
-    raise ValueError(f"unknown model path {path!r}; known: {known}")
+    return SimpleNamespace(architectures=[DRAFT_ARCH], **dspark_fields(DRAFTS[path]))
+
+
+def get_target_preset(path: str) -> TargetPreset:
+    """The target a model path names (a preset, or a checkpoint directory's
+    config.json): its architecture and the draft it bundles, if any."""
+    if _is_preset(path):
+        if path not in TARGETS:
+            raise ValueError(f"model path {path!r} is a DSpark draft, not a target")
+        return TARGETS[path]
+    if not os.path.isdir(path):
+        raise _unknown(path)
+    cfg = read_config(path)
+    return TargetPreset(
+        target_config_from(cfg, path=path),
+        bundled_draft=draft_config_from(cfg, path=path) if bundles_draft(cfg) else None,
+    )
 
 
 def get_draft_config(path: str) -> DSparkDraftConfig:
     """The DSpark draft a path carries: a target's bundled one, or a draft's."""
-    cfg = get_hf_config(path)
-    if getattr(cfg, "dspark_block_size", None) is None:
+    if not _is_preset(path) and not os.path.isdir(path):
+        raise _unknown(path)
+    cfg = vars(get_hf_config(path))
+    if not bundles_draft(cfg):
         raise ValueError(f"model path {path!r} carries no DSpark draft")
-    return DSparkDraftConfig(
-        num_layers=cfg.dspark_num_layers,
-        num_experts=cfg.dspark_num_experts,
-        top_k=cfg.dspark_top_k,
-        target_layer_ids=tuple(cfg.dspark_target_layer_ids),
-        markov_rank=cfg.dspark_markov_rank,
-        block_size=cfg.dspark_block_size,
-        mask_token_id=cfg.dspark_noise_token_id,
-    )
+    return draft_config_from(cfg, path=path)
 
 
 @torch.no_grad()
@@ -113,16 +136,22 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             module.weight.copy_(draw(module.weight.shape, in_features**-0.5))
 
 
-def load_target(name: str, *, seed: int, device) -> TinyMoEForCausalLM:
-    model = TinyMoEForCausalLM(get_target_preset(name).config)
+def load_target(path: str, *, seed: int, device) -> TinyMoEForCausalLM:
+    """A checkpoint directory's target, or a random preset drawn from ``seed``."""
+    if not _is_preset(path):
+        return load_target_checkpoint(path, device=device)
+    model = TinyMoEForCausalLM(get_target_preset(path).config)
     init_random_weights(model, seed)
     return model.to(device).eval()
 
 
 def load_draft(
-    name: str, *, target: TinyMoEForCausalLM, seed: int, device
+    path: str, *, target: TinyMoEForCausalLM, seed: int, device
 ) -> DSparkDraftModel:
-    draft = DSparkDraftModel(get_draft_config(name), target)
+    """A checkpoint directory's draft (bundled or alone), or a random preset's."""
+    if not _is_preset(path):
+        return load_draft_checkpoint(path, target=target, device=device)
+    draft = DSparkDraftModel(get_draft_config(path), target)
     # Shared target modules are already initialized; draw only the draft's own.
     own = [m for n, m in draft.named_children() if n not in ("embed_tokens", "lm_head")]
     holder = nn.ModuleList(own)

@@ -11,7 +11,11 @@ from sglang.srt.arg_groups.speculative_hook import (
     _handle_dspark,
     _target_checkpoint_bundles_dspark_draft,
 )
-from sglang.srt.models.registry import get_draft_config
+from sglang.srt.models.registry import (
+    TRAINED_DRAFT_PATH,
+    TRAINED_TARGET_PATH,
+    get_draft_config,
+)
 from sglang.srt.server_args import ServerArgs
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -90,25 +94,30 @@ class TestDsparkDraftPathDefaulting(CustomTestCase):
         server_args = _make_dspark_server_args(
             model_path=_BUNDLED_MODEL_PATH, hf_config=_bundled_hf_config()
         )
-        server_args.speculative_draft_model_path = "tiny-moe-dspark-b3"
+        server_args.speculative_draft_model_path = "random-tiny-moe-dspark-b3"
         _handle_dspark(server_args)
-        self.assertEqual(server_args.speculative_draft_model_path, "tiny-moe-dspark-b3")
+        self.assertEqual(
+            server_args.speculative_draft_model_path, "random-tiny-moe-dspark-b3"
+        )
         self.assertEqual(server_args.speculative_num_draft_tokens, 4)
 
 
 class TestEmbeddedPair(CustomTestCase):
     def test_server_args_default_to_the_bundled_draft(self):
+        # The default is the shipped, trained checkpoint directory.
         args = ServerArgs(speculative_algorithm="DSPARK")
-        self.assertEqual(args.model_path, "tiny-moe")
-        self.assertEqual(args.speculative_draft_model_path, "tiny-moe")
-        block = get_draft_config("tiny-moe").block_size
+        self.assertEqual(args.model_path, TRAINED_TARGET_PATH)
+        self.assertEqual(args.speculative_draft_model_path, TRAINED_TARGET_PATH)
+        block = get_draft_config(TRAINED_TARGET_PATH).block_size
         self.assertEqual(block, 5)
         self.assertEqual(args.speculative_num_draft_tokens, block + 1)
         self.assertEqual(args.speculative_dspark_block_size, block)
 
     def test_engine_uses_the_bundled_pair(self):
         engine = Engine(speculative_algorithm="DSPARK", device="cpu")
-        self.assertEqual(engine.server_args.speculative_draft_model_path, "tiny-moe")
+        self.assertEqual(
+            engine.server_args.speculative_draft_model_path, TRAINED_TARGET_PATH
+        )
         self.assertEqual(engine.dspark_config.gamma, 5)
         self.assertEqual(engine.worker.proposer.gamma, 5)
         # The draft shares the target's embedding and LM head, not copies.
@@ -129,16 +138,28 @@ class TestEmbeddedPair(CustomTestCase):
     def test_separate_draft_and_its_block(self):
         args = ServerArgs(
             speculative_algorithm="DSPARK",
-            speculative_draft_model_path="tiny-moe-dspark-b3",
+            speculative_draft_model_path="random-tiny-moe-dspark-b3",
         )
-        self.assertEqual(args.speculative_draft_model_path, "tiny-moe-dspark-b3")
+        self.assertEqual(args.speculative_draft_model_path, "random-tiny-moe-dspark-b3")
         self.assertEqual(args.speculative_num_draft_tokens, 4)
         engine = Engine(
             speculative_algorithm="DSPARK",
-            speculative_draft_model_path="tiny-moe-dspark-b3",
+            speculative_draft_model_path="random-tiny-moe-dspark-b3",
             device="cpu",
         )
         self.assertEqual(engine.dspark_config.gamma, 3)
+
+    def test_separate_draft_directory(self):
+        # The shipped draft alone, beside a target that bundles none.
+        args = ServerArgs(
+            model_path="random-tiny-moe-nodraft",
+            speculative_algorithm="DSPARK",
+            speculative_draft_model_path=TRAINED_DRAFT_PATH,
+        )
+        self.assertEqual(args.speculative_draft_model_path, TRAINED_DRAFT_PATH)
+        self.assertEqual(args.speculative_num_draft_tokens, 6)
+        with self.assertRaisesRegex(ValueError, "is a DSpark draft, not a target"):
+            ServerArgs(model_path="random-tiny-moe-dspark-b3")
 
     def test_bad_widths_name_both_numbers(self):
         for width, needle in (
@@ -161,17 +182,19 @@ class TestEmbeddedPair(CustomTestCase):
 
     def test_target_without_draft_is_a_clear_error(self):
         with self.assertRaisesRegex(
-            ValueError, "tiny-moe-nodraft.*bundles no DSpark draft"
+            ValueError, "random-tiny-moe-nodraft.*bundles no DSpark draft"
         ):
-            ServerArgs(model_path="tiny-moe-nodraft", speculative_algorithm="DSPARK")
+            ServerArgs(
+                model_path="random-tiny-moe-nodraft", speculative_algorithm="DSPARK"
+            )
         args = ServerArgs(
-            model_path="tiny-moe-nodraft",
+            model_path="random-tiny-moe-nodraft",
             speculative_algorithm="DSPARK",
-            speculative_draft_model_path="tiny-moe",
+            speculative_draft_model_path="random-tiny-moe",
         )
-        self.assertEqual(args.speculative_draft_model_path, "tiny-moe")
+        self.assertEqual(args.speculative_draft_model_path, "random-tiny-moe")
         self.assertEqual(args.speculative_num_draft_tokens, 6)
-        plain = ServerArgs(model_path="tiny-moe-nodraft")
+        plain = ServerArgs(model_path="random-tiny-moe-nodraft")
         self.assertIsNone(plain.speculative_draft_model_path)
         self.assertIsNone(plain.speculative_num_draft_tokens)
 
@@ -182,9 +205,9 @@ class TestEmbeddedPair(CustomTestCase):
             )
         with self.assertRaisesRegex(ValueError, "not a DSpark draft"):
             ServerArgs(
-                model_path="tiny-moe",
+                model_path="random-tiny-moe",
                 speculative_algorithm="DSPARK",
-                speculative_draft_model_path="tiny-moe-nodraft",
+                speculative_draft_model_path="random-tiny-moe-nodraft",
             )
         with self.assertRaisesRegex(ValueError, "unknown model path 'nope'"):
             ServerArgs(model_path="nope")

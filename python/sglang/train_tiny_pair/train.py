@@ -1,0 +1,443 @@
+"""Train the embedded target, then distill its DSpark draft; write both.
+
+    python -m sglang.train_tiny_pair            # the shipped pair (~15 min, 1 core)
+    python -m sglang.train_tiny_pair --tiny --output-dir /tmp/pair   # seconds
+
+Phases, each resumable (a finished phase's output in ``--work-dir`` is
+reused; a phase in progress resumes from its last snapshot):
+
+1. ``target``: a next-byte language model on the stdlib corpus's train files.
+2. ``distill-data``: held-in prompts continued by that target (saved in bf16
+   and reloaded, exactly as shipped): most rows sampled at temperature 1,
+   the rest greedy.
+3. ``draft``: the DSpark draft distilled from the target on those sequences:
+   context = the target's hidden states at the draft's layers, every block
+   slot's Markov-corrected distribution against the target's probabilities
+   (cross-entropy); embedding and LM head are the target's, frozen.
+4. ``export``: ``<output-dir>/tiny-moe-dspark`` (the target bundling its draft)
+   and ``<output-dir>/tiny-moe-dspark-draft`` (the draft alone), then the
+   held-out report: target loss, per-position acceptance, expected accepted
+   length.
+
+Every random draw comes from a generator seeded by (seed, phase, step), so a
+resumed run makes the same weights as an uninterrupted one.
+"""
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from sglang.srt.layers.sampler import sample_tokens
+from sglang.srt.model_loader.loader import (
+    WEIGHTS_NAME,
+    load_draft_checkpoint,
+    load_target_checkpoint,
+    save_checkpoint,
+)
+from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
+from sglang.srt.models.registry import CHECKPOINT_DIR, init_random_weights
+from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.stdlib_corpus import MASK_BYTE, load_stdlib_corpus, sample_prompts
+from sglang.train_tiny_pair.evaluate import evaluate_pair, format_report
+from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
+
+PHASES = ("target", "distill-data", "draft", "export")
+TARGET_NAME, DRAFT_NAME = "tiny-moe-dspark", "tiny-moe-dspark-draft"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    target_steps: int = 2600
+    target_batch: int = 22
+    target_seq_len: int = 192  # the positions the bench and the distillation use
+    target_lr: float = 3e-3
+    num_distill_seqs: int = 8192
+    distill_seq_len: int = 192
+    distill_prompt_lens: tuple = (16, 32, 64, 96, 128)
+    greedy_fraction: float = 0.25  # of distillation rows; the rest sample at T=1
+    draft_steps: int = 2000
+    draft_batch: int = 32
+    draft_anchors: int = 32  # block anchors per sequence per step
+    draft_lr: float = 2e-3
+    min_anchor: int = 8  # the first block needs some context
+    eval_seqs: int = 64
+    eval_prompt_len: int = 64
+    snapshot_every: int = 200
+
+
+TINY = TrainConfig(
+    target_steps=6,
+    target_batch=4,
+    target_seq_len=64,
+    num_distill_seqs=8,
+    distill_seq_len=48,
+    distill_prompt_lens=(16,),
+    draft_steps=4,
+    draft_batch=4,
+    draft_anchors=4,
+    eval_seqs=4,
+    eval_prompt_len=16,
+    snapshot_every=2,
+)
+
+
+def _generator(cfg: TrainConfig, phase: str, step: int) -> torch.Generator:
+    tag = PHASES.index(phase)
+    return torch.Generator().manual_seed((cfg.seed * 7 + tag) * 1_000_003 + step)
+
+
+def _lr(step: int, steps: int, peak: float) -> float:
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _train_loop(
+    *,
+    desc: str,
+    params: List[torch.nn.Parameter],
+    state_modules: torch.nn.Module,
+    loss_at: Callable[[int], torch.Tensor],
+    steps: int,
+    peak_lr: float,
+    snapshot: str,
+    every: int,
+) -> None:
+    """AdamW with warmup + cosine; resumes from ``snapshot`` when present."""
+    opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    start = 0
+    if os.path.exists(snapshot):
+        state = torch.load(snapshot, weights_only=True)
+        state_modules.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+        print(f"{desc}: resuming at step {start} from {snapshot}", flush=True)
+    bar = tqdm(
+        range(start, steps), desc=desc, initial=start, total=steps, file=sys.stderr
+    )
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, peak_lr)
+        loss = loss_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % every == 0 and step + 1 < steps:
+            tmp = snapshot + ".tmp"
+            torch.save(
+                {
+                    "model": state_modules.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": step + 1,
+                },
+                tmp,
+            )
+            os.replace(tmp, snapshot)  # atomic: a kill never leaves half a file
+    bar.close()
+
+
+def _byte_stream(files: List[bytes]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"".join(files)), dtype=torch.uint8)
+
+
+def train_target(cfg: TrainConfig, stream: torch.Tensor, work: str) -> None:
+    model = TinyMoEForCausalLM(TinyMoEConfig())
+    init_random_weights(model, cfg.seed)
+    model.train()
+    T, B = cfg.target_seq_len, cfg.target_batch
+
+    def loss_at(step: int) -> torch.Tensor:
+        gen = _generator(cfg, "target", step)
+        starts = torch.randint(0, stream.numel() - T - 1, (B,), generator=gen)
+        window = stream[starts.unsqueeze(1) + torch.arange(T + 1)].long()  # [B, T + 1]
+        logits, _ = target_forward(model, window[:, :-1])
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1)
+        )
+
+    _train_loop(
+        desc="target",
+        params=list(model.parameters()),
+        state_modules=model,
+        loss_at=loss_at,
+        steps=cfg.target_steps,
+        peak_lr=cfg.target_lr,
+        snapshot=os.path.join(work, "target.snapshot.pt"),
+        every=cfg.snapshot_every,
+    )
+    save_checkpoint(os.path.join(work, "target"), target=model.eval())
+
+
+@torch.no_grad()
+def generate(
+    model: TinyMoEForCausalLM,
+    prompts: torch.Tensor,  # [B, P] int64
+    *,
+    new_tokens: int,
+    temperatures: torch.Tensor,  # [B]; 0 = greedy
+    generator: torch.Generator,
+) -> torch.Tensor:  # [B, P + new_tokens]
+    """Continue ``prompts`` with the target, one cached step per token."""
+    B, P = prompts.shape
+    c = model.config
+    cache = [
+        tuple(torch.zeros(B, c.num_heads, P + new_tokens, c.head_dim) for _ in range(2))
+        for _ in range(c.num_layers)
+    ]
+    out = torch.empty(B, P + new_tokens, dtype=torch.long)
+    out[:, :P] = prompts
+    logits, _ = target_forward(model, prompts, cache=cache)
+    for t in range(P, P + new_tokens):
+        out[:, t] = sample_tokens(
+            logits=logits[:, -1], temperatures=temperatures, generator=generator
+        )
+        if t + 1 < P + new_tokens:
+            logits, _ = target_forward(model, out[:, t : t + 1], start=t, cache=cache)
+    return out
+
+
+def make_distill_data(cfg: TrainConfig, train_files: List[bytes], work: str) -> None:
+    target = load_target_checkpoint(os.path.join(work, "target"), device="cpu")
+    L, groups = cfg.distill_seq_len, len(cfg.distill_prompt_lens)
+    per_group = -(-cfg.num_distill_seqs // groups)
+    seqs = []
+    for g, plen in enumerate(
+        tqdm(cfg.distill_prompt_lens, desc="distill-data", file=sys.stderr)
+    ):
+        gen = _generator(cfg, "distill-data", g)
+        prompts = sample_prompts(
+            train_files, num=per_group, length=plen, seed=cfg.seed * 1000 + g
+        )
+        temps = (torch.rand(per_group, generator=gen) >= cfg.greedy_fraction).float()
+        for i in range(0, per_group, 512):  # bounded KV cache per call
+            seqs.append(
+                generate(
+                    target,
+                    torch.tensor(prompts[i : i + 512]),
+                    new_tokens=L - plen,
+                    temperatures=temps[i : i + 512],
+                    generator=gen,
+                )
+            )
+    data = torch.cat(seqs)[: cfg.num_distill_seqs].to(torch.uint8)
+    torch.save({"seqs": data}, os.path.join(work, "distill.pt"))
+
+
+def distill_loss(
+    target: TinyMoEForCausalLM,
+    draft: DSparkDraftModel,
+    ids: torch.Tensor,  # [B, T]
+    anchors: torch.Tensor,  # [A]
+) -> torch.Tensor:
+    """Cross-entropy of every block slot's draft distribution against the
+    target's probabilities for the same position."""
+    gamma = draft.config.block_size
+    with torch.no_grad():
+        logits, aux = target_forward(target, ids, capture=draft.config.target_layer_ids)
+    q = draft_block_logits(draft, aux_hidden=aux, ids=ids, anchors=anchors, gamma=gamma)
+    pos = (anchors.unsqueeze(1) + torch.arange(gamma)).view(-1)  # slot k: row p + k
+    p = torch.softmax(logits[:, pos], dim=-1).view_as(q)
+    return -(p * torch.log_softmax(q, dim=-1)).sum(-1).mean()
+
+
+@torch.no_grad()
+def new_draft(cfg: TrainConfig, target: TinyMoEForCausalLM) -> DSparkDraftModel:
+    """A draft that starts as the target's last layer: ``fc`` passes the
+    deepest context layer through, so the context K/V begin as that layer's
+    own; attention, norms and the first ``num_experts`` experts are copied.
+    (Measured: a better start than random weights for the same steps.)"""
+    draft = DSparkDraftModel(DSparkDraftConfig(mask_token_id=MASK_BYTE), target)
+    own = torch.nn.ModuleList(
+        m for n, m in draft.named_children() if n not in ("embed_tokens", "lm_head")
+    )
+    init_random_weights(own, cfg.seed + 1)
+    last, h = target.layers[-1], target.config.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -h:].copy_(torch.eye(h))
+    draft.context_norm.weight.copy_(last.input_layernorm.weight)
+    draft.norm.weight.copy_(target.norm.weight)
+    for layer in draft.layers:
+        layer.input_layernorm.weight.copy_(last.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(
+            last.post_attention_layernorm.weight
+        )
+        layer.self_attn.qkv_proj.weight.copy_(last.self_attn.qkv_proj.weight)
+        layer.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
+        n = layer.mlp.num_experts
+        layer.mlp.gate.weight.copy_(last.mlp.gate.weight[:n])
+        layer.mlp.w13.copy_(last.mlp.w13[:n])
+        layer.mlp.w2.copy_(last.mlp.w2[:n])
+    return draft
+
+
+def train_draft(cfg: TrainConfig, work: str) -> None:
+    target = load_target_checkpoint(os.path.join(work, "target"), device="cpu")
+    target.requires_grad_(False)  # embedding and LM head stay the target's
+    draft = new_draft(cfg, target)
+    own = torch.nn.ModuleList(
+        m for n, m in draft.named_children() if n not in ("embed_tokens", "lm_head")
+    ).train()
+    seqs = torch.load(os.path.join(work, "distill.pt"), weights_only=True)["seqs"]
+    gamma, T = draft.config.block_size, seqs.shape[1]
+    candidates = torch.arange(cfg.min_anchor, T - gamma + 1)
+
+    def loss_at(step: int) -> torch.Tensor:
+        gen = _generator(cfg, "draft", step)
+        rows = torch.randint(0, seqs.shape[0], (cfg.draft_batch,), generator=gen)
+        pick = torch.randperm(candidates.numel(), generator=gen)[: cfg.draft_anchors]
+        return distill_loss(
+            target, draft, seqs[rows].long(), candidates[pick.sort().values]
+        )
+
+    _train_loop(
+        desc="draft",
+        params=list(own.parameters()),
+        state_modules=own,
+        loss_at=loss_at,
+        steps=cfg.draft_steps,
+        peak_lr=cfg.draft_lr,
+        snapshot=os.path.join(work, "draft.snapshot.pt"),
+        every=cfg.snapshot_every,
+    )
+    save_checkpoint(os.path.join(work, "draft"), draft=draft.eval())
+
+
+def export(cfg: TrainConfig, work: str, output_dir: str, heldout: List[bytes]) -> Dict:
+    target = load_target_checkpoint(os.path.join(work, "target"), device="cpu")
+    draft = load_draft_checkpoint(
+        os.path.join(work, "draft"), target=target, device="cpu"
+    )
+    target_dir = os.path.join(output_dir, TARGET_NAME)
+    draft_dir = os.path.join(output_dir, DRAFT_NAME)
+    save_checkpoint(target_dir, target=target, draft=draft)
+    save_checkpoint(draft_dir, draft=draft)
+    # Report on what ships: reloaded from the written directories.
+    target = load_target_checkpoint(target_dir, device="cpu")
+    draft = load_draft_checkpoint(target_dir, target=target, device="cpu")
+    gen = _generator(cfg, "export", 0)
+    plen = cfg.eval_prompt_len
+    prompts = sample_prompts(heldout, num=cfg.eval_seqs, length=plen, seed=cfg.seed)
+    report = evaluate_pair(
+        target=target,
+        draft=draft,
+        heldout_stream=_byte_stream(heldout),
+        prompts=torch.tensor(prompts),
+        continue_fn=lambda p, t: generate(
+            target,
+            p,
+            new_tokens=cfg.distill_seq_len - plen,
+            temperatures=t,
+            generator=gen,
+        ),
+        window_len=cfg.target_seq_len,
+        seed=cfg.seed,
+    )
+    report["target_dir"], report["draft_dir"] = target_dir, draft_dir
+    report["target_params"] = sum(p.numel() for p in target.parameters())
+    own = [
+        p
+        for n, p in draft.named_parameters()
+        if not n.startswith(("embed_tokens", "lm_head"))
+    ]
+    report["draft_params"] = sum(p.numel() for p in own)
+    report["bytes"] = {
+        d: os.path.getsize(os.path.join(d, WEIGHTS_NAME))
+        for d in (target_dir, draft_dir)
+    }
+    return report
+
+
+def run(*, cfg: TrainConfig, work_dir: str, output_dir: str, phases=PHASES) -> Dict:
+    os.makedirs(work_dir, exist_ok=True)
+    corpus = load_stdlib_corpus()
+    train_files = corpus.read("train")
+    outputs = {
+        "target": os.path.join(work_dir, "target"),
+        "distill-data": os.path.join(work_dir, "distill.pt"),
+        "draft": os.path.join(work_dir, "draft"),
+    }
+    timings, report = {}, {}
+    for phase in phases:
+        t0 = time.perf_counter()
+        if phase in outputs and os.path.exists(outputs[phase]):
+            print(f"{phase}: done already ({outputs[phase]}), skipping", flush=True)
+            continue
+        if phase == "target":
+            train_target(cfg, _byte_stream(train_files), work_dir)
+        elif phase == "distill-data":
+            make_distill_data(cfg, train_files, work_dir)
+        elif phase == "draft":
+            train_draft(cfg, work_dir)
+        else:
+            report = export(cfg, work_dir, output_dir, corpus.read("heldout"))
+        timings[phase] = time.perf_counter() - t0
+        print(f"{phase}: {timings[phase]:.0f} s", flush=True)
+    report["phase_seconds"] = timings
+    return report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--output-dir",
+        default=CHECKPOINT_DIR,
+        help="where the two checkpoint directories go (default: the shipped ones)",
+    )
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="phase outputs and snapshots, reused on a rerun (default: a folder "
+        "under the system temp dir, per seed and size)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="a few steps of each phase (CI)")
+    p.add_argument("--target-steps", type=int, default=None)
+    p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--restart", action="store_true", help="clear --work-dir first")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads"
+    )
+    args = p.parse_args(argv)
+    cfg = replace(TINY if args.tiny else TrainConfig(), seed=args.seed)
+    for name in ("target_steps", "draft_steps"):
+        if getattr(args, name) is not None:
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1")
+            cfg = replace(cfg, **{name: getattr(args, name)})
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    work = args.work_dir or os.path.join(
+        tempfile.gettempdir(),
+        f"sglang_train_tiny_pair_s{cfg.seed}_t{cfg.target_steps}_d{cfg.draft_steps}",
+    )
+    if args.restart and os.path.isdir(work):
+        shutil.rmtree(work)
+    print(f"work dir: {work}; output dir: {args.output_dir}", flush=True)
+    start = time.perf_counter()
+    report = run(cfg=cfg, work_dir=work, output_dir=args.output_dir, phases=args.phases)
+    if "export" in args.phases:
+        print(format_report(report))
+        for d, size in report["bytes"].items():
+            print(f"wrote {d} ({size / 1e6:.2f} MB)")
+        print(
+            f"parameters: target {report['target_params']:,}, draft (own) "
+            f"{report['draft_params']:,}"
+        )
+    print(f"wall time: {time.perf_counter() - start:.0f} s (this invocation)")
+    return 0

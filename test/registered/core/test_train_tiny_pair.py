@@ -1,0 +1,161 @@
+"""``python -m sglang.train_tiny_pair``: the training forwards compute what
+inference computes; a tiny run end to end writes loadable checkpoints, and a
+resumed run (by phase, or mid-phase from a snapshot) writes the same bytes."""
+
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+import unittest
+
+import torch
+
+from sglang import Engine
+from sglang.srt.model_loader.loader import WEIGHTS_NAME
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
+from sglang.train_tiny_pair.train import DRAFT_NAME, TARGET_NAME, main
+
+register_cpu_ci(est_time=20, suite="base-a-test-cpu")
+
+
+class TestTrainingForwardMatchesEngine(CustomTestCase):
+    """On the shipped pair: every target forward and every draft proposal the
+    engine makes while decoding at temperature 1 is reproduced by the training
+    forwards on the committed sequence (the draft teacher forced with the
+    proposal's own tokens)."""
+
+    def test_target_and_draft_logits(self):
+        engine = Engine(speculative_algorithm="DSPARK", device="cpu", random_seed=5)
+        worker = engine.worker
+        runner, proposer = worker.target_worker.model_runner, worker.proposer
+        targets, proposals = [], []
+        run_target, propose = runner.forward, proposer.propose
+
+        def target_spy(forward_batch):
+            out = run_target(forward_batch)
+            targets.append(
+                (forward_batch.positions.clone(), forward_batch.input_ids.clone())
+                + (out.logits.clone(),)
+            )
+            return out
+
+        def propose_spy(**kwargs):
+            p = propose(**kwargs)
+            start = int(kwargs["window"].positions[0, 0])
+            proposals.append((start, p.draft_tokens.clone(), p.draft_logits.clone()))
+            return p
+
+        runner.forward, proposer.propose = target_spy, propose_spy
+        prompt = list(b"import os\n\n\ndef main(argv):\n    for name in ")
+        out = engine.generate(
+            input_ids=[prompt], sampling_params={"max_new_tokens": 24, "temperature": 1}
+        )
+        seq = prompt + out[0]["output_ids"]
+        target, draft = worker.target_worker.model, worker.draft_model
+        layers, gamma = draft.config.target_layer_ids, worker.gamma
+        self.assertGreater(len(targets), 3)
+        self.assertGreater(len(proposals), 3)
+        with torch.no_grad():
+            for positions, ids, logits in targets:
+                start = int(positions[0])
+                rows = torch.tensor([seq[:start] + ids.tolist()])
+                want, _ = target_forward(target, rows, capture=layers)
+                torch.testing.assert_close(
+                    want[0, start:], logits, atol=1e-4, rtol=1e-4
+                )
+            for start, tokens, logits in proposals:
+                rows = torch.tensor([seq[: start + 1] + tokens[0, :-1].tolist()])
+                _, aux = target_forward(target, rows, capture=layers)
+                q = draft_block_logits(
+                    draft,
+                    aux_hidden=aux,
+                    ids=rows,
+                    anchors=torch.tensor([start]),
+                    gamma=gamma,
+                )
+                torch.testing.assert_close(q[0, 0], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def _run(*args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(["--tiny", *args])
+    if rc != 0:
+        raise AssertionError(f"train_tiny_pair exited with {rc}")
+    return out.getvalue()
+
+
+def _weights(output_dir: str) -> dict:
+    out = {}
+    for name in (TARGET_NAME, DRAFT_NAME):
+        with open(os.path.join(output_dir, name, WEIGHTS_NAME), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+class TestTrainTinyPair(CustomTestCase):
+    def setUp(self):
+        super().setUp()
+        self.root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.root)
+
+    def _dirs(self, name: str):
+        return os.path.join(self.root, name, "out"), os.path.join(
+            self.root, name, "work"
+        )
+
+    def test_end_to_end_and_resume(self):
+        out, work = self._dirs("a")
+        log = _run("--output-dir", out, "--work-dir", work)
+        self.assertIn("target held-out loss:", log)
+        self.assertIn("expected accepted length", log)
+        self.assertIn("acceptance per block position 1..5", log)
+        first = _weights(out)
+
+        # The exported pair loads: bundled draft by default, or the draft alone.
+        target_dir = os.path.join(out, TARGET_NAME)
+        for draft_path in (None, os.path.join(out, DRAFT_NAME)):
+            engine = Engine(
+                model_path=target_dir,
+                speculative_algorithm="DSPARK",
+                speculative_draft_model_path=draft_path,
+                device="cpu",
+            )
+            self.assertEqual(
+                engine.server_args.speculative_draft_model_path,
+                draft_path or target_dir,
+            )
+            spec = engine.generate(
+                input_ids=[list(b"def f(x):\n")], sampling_params={"max_new_tokens": 9}
+            )
+            plain = Engine(model_path=target_dir, device="cpu").generate(
+                input_ids=[list(b"def f(x):\n")], sampling_params={"max_new_tokens": 9}
+            )
+            self.assertEqual(spec[0]["output_ids"], plain[0]["output_ids"])
+
+        # Phase by phase: the finished phase is reused, the same bytes result.
+        out_b, work_b = self._dirs("b")
+        _run("--output-dir", out_b, "--work-dir", work_b, "--phases", "target")
+        self.assertFalse(os.path.exists(os.path.join(out_b, TARGET_NAME)))
+        log = _run("--output-dir", out_b, "--work-dir", work_b)
+        self.assertIn("target: done already", log)
+        self.assertEqual(_weights(out_b), first)
+
+        # Mid-phase: drop the finished target, keep its last snapshot.
+        shutil.rmtree(os.path.join(work, "target"))
+        shutil.rmtree(os.path.join(work, "draft"))
+        log = _run("--output-dir", out, "--work-dir", work)
+        self.assertIn("target: resuming at step 4", log)
+        self.assertIn("draft: resuming at step", log)
+        self.assertEqual(_weights(out), first)
+
+    def test_bad_steps_are_rejected(self):
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            main(["--tiny", "--target-steps", "0"])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,229 @@
+"""Checkpoint directories (``srt/model_loader/loader.py``): a save/load round
+trip gives identical logits; each malformed checkpoint is a ValueError naming
+the file and the field or tensor; directories drive the engine's draft-path
+defaulting like presets do."""
+
+import json
+import os
+import shutil
+import tempfile
+import unittest
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from sglang import Engine
+from sglang.srt.model_loader.loader import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    load_draft_checkpoint,
+    load_target_checkpoint,
+    save_checkpoint,
+)
+from sglang.srt.models.registry import get_hf_config, load_draft, load_target
+from sglang.srt.server_args import ServerArgs
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
+
+register_cpu_ci(est_time=8, suite="base-a-test-cpu")
+
+
+def _bf16_rounded(module: torch.nn.Module) -> None:
+    # What bf16 storage keeps: the round trip is then exact.
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+
+class TestCheckpointLoader(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.root = tempfile.mkdtemp()
+        cls.target = load_target("random-tiny-moe", seed=3, device="cpu")
+        cls.draft = load_draft(
+            "random-tiny-moe", target=cls.target, seed=3, device="cpu"
+        )
+        _bf16_rounded(cls.target)
+        _bf16_rounded(cls.draft)
+        cls.bundle = os.path.join(cls.root, "bundle")
+        cls.draft_dir = os.path.join(cls.root, "draft")
+        cls.plain_dir = os.path.join(cls.root, "plain")
+        save_checkpoint(cls.bundle, target=cls.target, draft=cls.draft)
+        save_checkpoint(cls.draft_dir, draft=cls.draft)
+        save_checkpoint(cls.plain_dir, target=cls.target)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.root)
+        super().tearDownClass()
+
+    def _copy(self, src: str) -> str:
+        dst = tempfile.mkdtemp(dir=self.root)
+        shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+        return dst
+
+    def _edit_config(self, path: str, **changes) -> None:
+        file = os.path.join(path, CONFIG_NAME)
+        with open(file) as f:
+            cfg = json.load(f)
+        for k, v in changes.items():
+            if v is None:
+                del cfg[k]
+            else:
+                cfg[k] = v
+        with open(file, "w") as f:
+            json.dump(cfg, f)
+
+    def _logits(self, target, draft, ids):
+        logits, aux = target_forward(target, ids, capture=draft.config.target_layer_ids)
+        q = draft_block_logits(
+            draft, aux_hidden=aux, ids=ids, anchors=torch.tensor([4, 9]), gamma=5
+        )
+        return logits, q
+
+    def test_round_trip_gives_identical_logits(self):
+        ids = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(0))
+        want = self._logits(self.target, self.draft, ids)
+        for draft_path in (self.bundle, self.draft_dir):
+            with self.subTest(draft_path=os.path.basename(draft_path)):
+                target = load_target_checkpoint(self.bundle, device="cpu")
+                draft = load_draft_checkpoint(draft_path, target=target, device="cpu")
+                got = self._logits(target, draft, ids)
+                self.assertTrue(torch.equal(got[0], want[0]))
+                self.assertTrue(torch.equal(got[1], want[1]))
+                self.assertIs(draft.embed_tokens, target.embed_tokens)
+                self.assertEqual(target.embed_tokens.weight.dtype, torch.float32)
+        stored = load_file(os.path.join(self.bundle, WEIGHTS_NAME))
+        self.assertTrue(all(t.dtype == torch.bfloat16 for t in stored.values()))
+        # The draft's shared modules are the target's: never stored twice.
+        self.assertNotIn("dspark.embed_tokens.weight", stored)
+        self.assertIn("dspark.markov_w1.weight", stored)
+
+    def test_hf_config_and_engine_defaults(self):
+        cfg = get_hf_config(self.bundle)
+        self.assertEqual(cfg.dspark_block_size, 5)
+        self.assertEqual(cfg.dspark_target_layer_ids, [1, 2])
+        args = ServerArgs(model_path=self.bundle, speculative_algorithm="DSPARK")
+        self.assertEqual(args.speculative_draft_model_path, self.bundle)
+        self.assertEqual(args.speculative_num_draft_tokens, 6)
+        with self.assertRaisesRegex(ValueError, "bundles no DSpark draft"):
+            ServerArgs(model_path=self.plain_dir, speculative_algorithm="DSPARK")
+        engine = Engine(
+            model_path=self.plain_dir,
+            speculative_algorithm="DSPARK",
+            speculative_draft_model_path=self.draft_dir,
+            device="cpu",
+        )
+        self.assertEqual(engine.dspark_config.gamma, 5)
+        out = engine.generate(
+            input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 6}
+        )
+        self.assertEqual(len(out[0]["output_ids"]), 6)
+        with self.assertRaisesRegex(ValueError, "not a target"):
+            ServerArgs(model_path=self.draft_dir)
+
+    def _assert_load_error(self, path, *needles, draft=False):
+        with self.assertRaises(ValueError) as ctx:
+            if draft:
+                load_draft_checkpoint(path, target=self.target, device="cpu")
+            else:
+                load_target_checkpoint(path, device="cpu")
+        for needle in needles:
+            self.assertIn(needle, str(ctx.exception))
+
+    def test_missing_files(self):
+        self._assert_load_error(
+            os.path.join(self.root, "nope"), "nope", "does not exist"
+        )
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            with self.subTest(name=name):
+                path = self._copy(self.bundle)
+                os.remove(os.path.join(path, name))
+                self._assert_load_error(path, os.path.join(path, name), "missing")
+
+    def test_unreadable_files(self):
+        path = self._copy(self.bundle)
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            f.write("{not json")
+        self._assert_load_error(path, CONFIG_NAME, "not valid JSON")
+        path = self._copy(self.bundle)
+        with open(os.path.join(path, WEIGHTS_NAME), "wb") as f:
+            f.write(b"\x00" * 16)
+        self._assert_load_error(path, WEIGHTS_NAME, "unreadable")
+
+    def test_bad_config_fields(self):
+        for changes, needles in (
+            ({"architectures": ["LlamaForCausalLM"]}, ("'architectures'",)),
+            ({"num_heads": None}, ("'num_heads'", "missing")),
+            ({"hidden_size": "64"}, ("'hidden_size'", "'64'")),
+            ({"dspark_markov_rank": None}, ("'dspark_markov_rank'",)),
+        ):
+            with self.subTest(changes=changes):
+                path = self._copy(self.bundle)
+                self._edit_config(path, **changes)
+                loading_draft = "dspark_markov_rank" in changes
+                self._assert_load_error(
+                    path, CONFIG_NAME, *needles, draft=loading_draft
+                )
+
+    def test_config_does_not_match_tensors(self):
+        weights = "model.safetensors"
+        for changes, needles, draft in (
+            ({"hidden_size": 32}, (weights, "hidden_size=32", "embed_tokens"), False),
+            ({"num_layers": 5}, (weights, "'layers.4.", "num_layers=5"), False),
+            ({"num_experts": 4}, (weights, "'layers.0.mlp.", "num_experts=4"), False),
+            (
+                {"moe_intermediate_size": 32},
+                (weights, "moe_intermediate_size=32"),
+                False,
+            ),
+            ({"dspark_markov_rank": 8}, (weights, "dspark_markov_rank=8"), True),
+            ({"dspark_num_layers": 2}, (weights, "dspark_num_layers=2"), True),
+            ({"dspark_target_layer_ids": [1]}, (weights, "dspark.fc.weight"), True),
+        ):
+            with self.subTest(changes=changes):
+                path = self._copy(self.bundle)
+                self._edit_config(path, **changes)
+                self._assert_load_error(path, *needles, CONFIG_NAME, draft=draft)
+
+    def test_unexpected_tensors(self):
+        path = self._copy(self.bundle)
+        file = os.path.join(path, WEIGHTS_NAME)
+        tensors = load_file(file)
+        tensors["layers.9.extra"] = torch.zeros(2, dtype=torch.bfloat16)
+        save_file(tensors, file)
+        self._assert_load_error(
+            path, WEIGHTS_NAME, "unexpected tensor 'layers.9.extra'"
+        )
+        # Draft tensors in a target whose config bundles no draft.
+        path = self._copy(self.bundle)
+        self._edit_config(
+            path,
+            **{k: None for k in vars(get_hf_config(path)) if k.startswith("dspark_")},
+        )
+        self._assert_load_error(path, WEIGHTS_NAME, "unexpected tensor 'dspark.")
+
+    def test_draft_must_fit_the_target(self):
+        for changes, needles in (
+            ({"hidden_size": 32}, ("'hidden_size' is 32", "hidden_size=64")),
+            ({"vocab_size": 128}, ("'vocab_size' is 128", "vocab_size=256")),
+            (
+                {"dspark_target_layer_ids": [1, 3]},
+                ("'dspark_target_layer_ids'", "num_layers=4"),
+            ),
+            (
+                {"dspark_noise_token_id": 300},
+                ("'dspark_noise_token_id'", "vocab_size=256"),
+            ),
+        ):
+            with self.subTest(changes=changes):
+                path = self._copy(self.draft_dir)
+                self._edit_config(path, **changes)
+                self._assert_load_error(path, CONFIG_NAME, *needles, draft=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
