@@ -2,10 +2,13 @@
 
     python -m sglang.bench_one_batch --batch-size 1 8 --input-len 64 --output-len 64
 
-For each batch size both engines decode the same prompts in ``--repeats``
-rounds. Within a round the engines advance in lockstep, one decode step of
-each in turn (who goes first alternates), so the two step times of a pair
-saw the same machine load. Printed per batch size: each engine's decode
+For each temperature (default: 0 and 1) and batch size both engines decode
+the same prompts in ``--repeats`` rounds: held-out stdlib source by default
+(``--prompts stdlib``: the trained pair's held-out files), or random ids
+(``--prompts random``). Within a round the engines advance in lockstep, one
+decode step of each in turn (who goes first alternates), so the two step
+times of a pair saw the same machine load. Printed per temperature and
+batch size: each engine's decode
 tokens/s and mean step time; the DSpark/plain step-cost ratio, the
 geometric mean of the paired ratios, with its 95% confidence interval (a
 t-interval on the paired log ratios); the speedup in tokens/s; DSpark's mean
@@ -30,6 +33,7 @@ from tqdm import tqdm
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.utils.op_counter import OpCounter
+from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
 
 ENGINES = ("plain", "dspark")
 _rids = itertools.count()
@@ -161,15 +165,21 @@ def run(args: argparse.Namespace) -> List[Dict]:
         ),
     }
     plain, dspark = engines["plain"], engines["dspark"]
-    params = {"max_new_tokens": args.output_len, "temperature": args.temperature}
+    heldout = load_stdlib_corpus().read("heldout") if args.prompts == "stdlib" else None
     rows = []
-    for bs in args.batch_size:
-        prompts = make_prompts(
-            rng=rng,
-            vocab_size=plain.vocab_size,
-            batch_size=bs,
-            input_len=args.input_len,
-        )
+    for temperature, bs in itertools.product(args.temperature, args.batch_size):
+        params = {"max_new_tokens": args.output_len, "temperature": temperature}
+        if heldout is not None:
+            prompts = sample_prompts(
+                heldout, num=bs, length=args.input_len, seed=args.seed * 1000 + bs
+            )
+        else:
+            prompts = make_prompts(
+                rng=rng,
+                vocab_size=plain.vocab_size,
+                batch_size=bs,
+                input_len=args.input_len,
+            )
         for engine in engines.values():  # warm up
             engine.generate(
                 input_ids=prompts, sampling_params=dict(params, max_new_tokens=4)
@@ -195,7 +205,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
             "batch_size": bs,
             "input_len": args.input_len,
             "output_len": args.output_len,
-            "temperature": args.temperature,
+            "temperature": temperature,
             "gamma": dspark.dspark_config.gamma,
             "device": plain.server_args.device,
             "cuda_graph": plain.server_args.use_cuda_graph,
@@ -220,7 +230,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
             # Every round of both engines against the first plain round.
             greedy_output_equal=(
                 all(o == outputs["plain"][0] for name in ENGINES for o in outputs[name])
-                if args.temperature == 0
+                if temperature == 0
                 else None
             ),
         )
@@ -243,8 +253,8 @@ def _format(r: Dict) -> str:
         for name in ENGINES
     )
     text = (
-        f"bs={r['batch_size']:<3} {engines} | step cost dspark/plain "
-        f"{r['step_cost_ratio']:.3f} {ci} ({r['step_pairs']} pairs) | speedup "
+        f"T={r['temperature']:g} bs={r['batch_size']:<3} {engines} | step cost "
+        f"dspark/plain {r['step_cost_ratio']:.3f} {ci} ({r['step_pairs']} pairs) | speedup "
         f"{r['speedup']:.3f}x | accept length {r['accept_length']:.2f} | "
         f"greedy equal: {'n/a (sampling)' if equal is None else equal}"
     )
@@ -266,7 +276,20 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="each is run for every batch size; 0 also checks greedy equality",
+    )
+    p.add_argument(
+        "--prompts",
+        choices=("stdlib", "random"),
+        default="stdlib",
+        help="held-out stdlib source (the trained pair's held-out files), or "
+        "random ids",
+    )
     p.add_argument(
         "--gamma",
         type=int,

@@ -31,6 +31,7 @@ class TestBenchOneBatch(CustomTestCase):
             rc, text = _main(
                 ["--batch-size", "1", "3", "--input-len", "8", "--output-len", "9"]
                 + ["--repeats", "2", "--count-ops", "--json", path]
+                + ["--temperature", "0", "--model-path", "random-tiny-moe"]
             )
             with open(path) as f:
                 rows = json.load(f)
