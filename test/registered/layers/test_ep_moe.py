@@ -1,6 +1,9 @@
-"""EPMoE's grouped path: rows sorted by expert once, each hit expert run on
-its rows only, bitwise equal to a straightforward loop over experts; masked
-rows and other ranks' experts never computed; one host read per layer."""
+"""EPMoE's two paths. Dense (few rows, and always on CUDA): every local
+expert on every row in two matmuls, a constant op count, no host read,
+equal to a loop over experts up to rounding, padded rows exactly 0.
+Grouped (more rows, eager CPU): rows sorted by expert once, each hit expert
+run on its rows only, bitwise equal to the loop; padded rows and other
+ranks' experts never computed; one host read per layer."""
 
 import unittest
 from unittest import mock
@@ -8,7 +11,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.layers.moe.ep_moe import EPMoE
+from sglang.srt.layers.moe.ep_moe import DENSE_MAX_ROW_EXPERTS, EPMoE
 from sglang.srt.layers.moe.topk import TopKOutput, select_experts
 from sglang.srt.models.registry import init_random_weights
 from sglang.srt.runtime_context import get_parallel
@@ -19,9 +22,11 @@ from sglang.test.test_utils import CustomTestCase
 register_cpu_ci(est_time=4, suite="base-a-test-cpu")
 
 HIDDEN, INTER = 32, 48
+# The dense path's rounding against the loop's (float32, outputs ~1).
+DENSE_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _moe(num_experts: int, top_k: int, seed: int = 0) -> EPMoE:
+def _moe(num_experts: int, top_k: int, seed: int = 0, *, dense: bool) -> EPMoE:
     moe = EPMoE(
         hidden_size=HIDDEN,
         intermediate_size=INTER,
@@ -29,6 +34,7 @@ def _moe(num_experts: int, top_k: int, seed: int = 0) -> EPMoE:
         top_k=top_k,
     )
     init_random_weights(moe, seed=seed)
+    moe.dense_max_row_experts = 10**9 if dense else 0
     return moe
 
 
@@ -58,25 +64,104 @@ def _reference(moe: EPMoE, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
     return out
 
 
-def _expert_rows(moe: EPMoE, fn):
-    """Run fn; return its result and the row count of every _expert call."""
-    calls = []
-    real = moe._expert
+def _expert_pairs(moe: EPMoE, fn):
+    """Run fn; return its result and the (row, local expert) pairs that reach
+    an expert: rows of every grouped _expert call, plus nonzero routing
+    weights of every dense forward (a zero-weight pair adds exactly 0)."""
+    pairs = {"grouped": [], "dense": 0}
+    expert, routing = moe._expert, moe._routing_weights
 
-    def spy(e, x):
-        calls.append((e, x.shape[0]))
-        return real(e, x)
+    def spy_expert(e, x):
+        pairs["grouped"].append((e, x.shape[0]))
+        return expert(e, x)
 
-    with mock.patch.object(moe, "_expert", spy):
+    def spy_routing(topk, *, masked):
+        weights = routing(topk, masked=masked)
+        pairs["dense"] += int((weights != 0).sum())
+        return weights
+
+    with (
+        mock.patch.object(moe, "_expert", spy_expert),
+        mock.patch.object(moe, "_routing_weights", spy_routing),
+    ):
         out = fn()
-    return out, calls
+    return out, pairs
+
+
+class TestDenseExperts(CustomTestCase):
+    def test_equal_to_the_expert_loop(self):
+        for num_experts, top_k in ((8, 2), (8, 1), (8, 3), (4, 2)):
+            moe = _moe(num_experts, top_k, dense=True)
+            for rows in (1, 5, 6, 48, 97):
+                for n in (None, 0, rows // 2, rows):
+                    with self.subTest(E=num_experts, top_k=top_k, rows=rows, n=n):
+                        x, scalar, topk = _inputs(moe, rows, n, seed=rows)
+                        with torch.no_grad():
+                            out, pairs = _expert_pairs(moe, lambda: moe(x, scalar))
+                            ref = _reference(moe, x, topk)
+                        torch.testing.assert_close(out, ref, **DENSE_TOL)
+                        self.assertEqual(pairs["grouped"], [])  # the dense path ran
+                        real = rows if n is None else n
+                        self.assertEqual(pairs["dense"], real * top_k)
+                        # Padded rows: weight 0 for every expert, output exactly 0.
+                        self.assertTrue(bool((out[real:] == 0).all()))
+
+    def test_constant_op_count_and_no_host_read(self):
+        moe = _moe(8, 2, dense=True)
+        with torch.no_grad():
+            moe(_inputs(moe, 1)[0])  # the derived weight layouts, made once
+        counts = {}
+        for rows, n in ((1, None), (6, None), (48, None), (6, 4), (48, 40)):
+            x, scalar, _ = _inputs(moe, rows, n)
+            with torch.no_grad(), OpCounter() as c:
+                moe(x, scalar)
+            counts.setdefault(n is None, set()).add(c.ops)
+            for op in (
+                "aten::_local_scalar_dense",
+                "aten::sort.stable",
+                "aten::searchsorted.Tensor",
+                "aten::nonzero",
+            ):
+                self.assertNotIn(op, c.by_op)
+            # The router's matmul, then one for every gate and up, one for
+            # every down: nothing per expert.
+            self.assertEqual(c.by_op["aten::mm"], 3)
+        # The same ops for 1 row or 48, masked or not (masking adds its own).
+        self.assertEqual([len(v) for v in counts.values()], [1, 1], counts)
+
+    def test_derived_weights_follow_the_parameters(self):
+        moe = _moe(4, 2, dense=True)
+        x, _, topk = _inputs(moe, 5)
+        with torch.no_grad():
+            before = moe(x)
+            moe.w13.data = moe.w13.data * 2  # new storage
+            after = moe(x)
+            torch.testing.assert_close(after, _reference(moe, x, topk), **DENSE_TOL)
+            moe.w2.mul_(3)  # same storage, new version
+            torch.testing.assert_close(moe(x), 3 * after, **DENSE_TOL)
+        self.assertFalse(torch.equal(before, after))
+
+
+class TestPathChoice(CustomTestCase):
+    def test_rows_times_local_experts_picks_the_path(self):
+        moe = EPMoE(hidden_size=HIDDEN, intermediate_size=INTER, num_experts=8, top_k=2)
+        init_random_weights(moe, seed=0)
+        self.assertEqual(moe.dense_max_row_experts, DENSE_MAX_ROW_EXPERTS)
+        limit = DENSE_MAX_ROW_EXPERTS // moe.num_local
+        for rows, dense in ((1, True), (limit, True), (limit + 1, False)):
+            with self.subTest(rows=rows):
+                x, _, _ = _inputs(moe, rows)
+                with torch.no_grad():
+                    _, pairs = _expert_pairs(moe, lambda: moe(x))
+                self.assertEqual(pairs["dense"] > 0, dense)
+                self.assertEqual(bool(pairs["grouped"]), not dense)
 
 
 class TestGroupedExperts(CustomTestCase):
     def test_bitwise_equal_to_the_expert_loop(self):
         # top_k 3 makes the per-row summation order matter, not only the rows.
         for num_experts, top_k in ((8, 2), (8, 1), (8, 3), (4, 2)):
-            moe = _moe(num_experts, top_k)
+            moe = _moe(num_experts, top_k, dense=False)
             for rows in (1, 5, 6, 48, 97):
                 for n in (None, 0, rows // 2, rows):
                     with self.subTest(E=num_experts, top_k=top_k, rows=rows, n=n):
@@ -89,26 +174,26 @@ class TestGroupedExperts(CustomTestCase):
                             self.assertTrue(bool((out[n:] == 0).all()))
 
     def test_only_hit_experts_run_on_their_rows(self):
-        moe = _moe(8, 2)
+        moe = _moe(8, 2, dense=False)
         x, _, topk = _inputs(moe, 6)
         with torch.no_grad():
-            _, calls = _expert_rows(moe, lambda: moe(x))
+            _, pairs = _expert_pairs(moe, lambda: moe(x))
         ids = topk.topk_ids.view(-1)
         expected = [(e, int((ids == e).sum())) for e in range(8) if (ids == e).any()]
-        self.assertEqual(calls, expected)  # ascending experts, hit ones only
+        self.assertEqual(pairs["grouped"], expected)  # ascending, hit ones only
 
     def test_masked_rows_reach_no_expert(self):
-        moe = _moe(8, 2)
+        moe = _moe(8, 2, dense=False)
         for n in (0, 3, 7):
             with self.subTest(n=n):
                 x, scalar, _ = _inputs(moe, 7, n)
                 with torch.no_grad():
-                    out, calls = _expert_rows(moe, lambda: moe(x, scalar))
-                self.assertEqual(sum(r for _, r in calls), n * moe.top_k)
+                    out, pairs = _expert_pairs(moe, lambda: moe(x, scalar))
+                self.assertEqual(sum(r for _, r in pairs["grouped"]), n * moe.top_k)
                 self.assertTrue(bool((out[n:] == 0).all()))
 
     def test_one_host_read_and_no_per_expert_scan(self):
-        moe = _moe(8, 2)
+        moe = _moe(8, 2, dense=False)
         x, scalar, topk = _inputs(moe, 6, 4)
         hit = int(topk.topk_ids[:4].unique().numel())
         with torch.no_grad(), OpCounter() as c:
@@ -126,18 +211,8 @@ class TestGroupedExperts(CustomTestCase):
         # The router's matmul, then two per hit expert: nothing for the others.
         self.assertEqual(c.by_op["aten::mm"], 1 + 2 * hit)
 
-    def test_static_path_matches_on_real_rows(self):
-        # The path CUDA-graph capture takes (static shapes), run eagerly here.
-        moe = _moe(8, 2)
-        x, scalar, topk = _inputs(moe, 9, 5)
-        with torch.no_grad():
-            static = moe._forward_static(x, topk)
-            grouped = moe(x, scalar)
-        torch.testing.assert_close(static, grouped, rtol=1e-5, atol=1e-5)
-        self.assertTrue(bool((static[5:] == 0).all()))
-
     def test_weight_views_follow_the_parameters(self):
-        moe = _moe(4, 2)
+        moe = _moe(4, 2, dense=False)
         x, _, topk = _inputs(moe, 5)
         with torch.no_grad():
             before = moe(x)
@@ -145,6 +220,17 @@ class TestGroupedExperts(CustomTestCase):
             after = moe(x)
             self.assertTrue(torch.equal(after, _reference(moe, x, topk)))
         self.assertFalse(torch.equal(before, after))
+
+    def test_both_paths_agree(self):
+        for rows, n in ((6, None), (9, 5), (48, 40)):
+            with self.subTest(rows=rows, n=n):
+                dense, grouped = _moe(8, 2, dense=True), _moe(8, 2, dense=False)
+                x, scalar, _ = _inputs(dense, rows, n)
+                with torch.no_grad():
+                    a, b = dense(x, scalar), grouped(x, scalar)
+                torch.testing.assert_close(a, b, **DENSE_TOL)
+                if n is not None:
+                    self.assertTrue(bool((a[n:] == 0).all() and (b[n:] == 0).all()))
 
 
 class TestExpertParallelSplit(CustomTestCase):
@@ -160,31 +246,42 @@ class TestExpertParallelSplit(CustomTestCase):
                 hidden_size=HIDDEN, intermediate_size=INTER, num_experts=8, top_k=2
             )
         moe.load_full_experts(full.w13, full.w2)
+        moe.dense_max_row_experts = full.dense_max_row_experts
         with torch.no_grad():
             moe.gate.weight.copy_(full.gate.weight)
         return moe
 
     def test_ranks_sum_to_one_process(self):
-        full = _moe(8, 2)
-        ranks = [self._rank(full, r) for r in (0, 1)]
-        for n in (None, 4):
-            with self.subTest(n=n):
-                x, scalar, topk = _inputs(full, 9, n)
-                with torch.no_grad():
-                    whole = full(x, scalar)
-                    with mock.patch("torch.distributed.all_reduce") as all_reduce:
-                        parts = [
-                            _expert_rows(m, lambda m=m: m(x, scalar)) for m in ranks
-                        ]
-                self.assertEqual(all_reduce.call_count, 2)
-                # top_k 2: each row is c_a + c_b on one process, 0 + c_a and
-                # 0 + c_b on the ranks: the sum is bitwise the same.
-                self.assertTrue(torch.equal(parts[0][0] + parts[1][0], whole))
-                real = topk.topk_ids[: 9 if n is None else n].view(-1)
-                for r, (_, calls) in enumerate(parts):
-                    mine = int(((real >= 4 * r) & (real < 4 * r + 4)).sum())
-                    self.assertEqual(sum(rows for _, rows in calls), mine)
-                    self.assertTrue(all(0 <= e < 4 for e, _ in calls))
+        for dense in (True, False):
+            full = _moe(8, 2, dense=dense)
+            ranks = [self._rank(full, r) for r in (0, 1)]
+            for n in (None, 4):
+                with self.subTest(dense=dense, n=n):
+                    x, scalar, topk = _inputs(full, 9, n)
+                    with torch.no_grad():
+                        whole = full(x, scalar)
+                        with mock.patch("torch.distributed.all_reduce") as all_reduce:
+                            parts = [
+                                _expert_pairs(m, lambda m=m: m(x, scalar))
+                                for m in ranks
+                            ]
+                    self.assertEqual(all_reduce.call_count, 2)
+                    total = parts[0][0] + parts[1][0]
+                    if dense:  # each rank's down matmul sums its own experts
+                        torch.testing.assert_close(total, whole, **DENSE_TOL)
+                    else:
+                        # top_k 2: each row is c_a + c_b on one process, 0 + c_a
+                        # and 0 + c_b on the ranks: the sum is bitwise the same.
+                        self.assertTrue(torch.equal(total, whole))
+                    if n is not None:
+                        self.assertTrue(bool((total[n:] == 0).all()))
+                    real = topk.topk_ids[: 9 if n is None else n].view(-1)
+                    for r, (_, pairs) in enumerate(parts):
+                        mine = int(((real >= 4 * r) & (real < 4 * r + 4)).sum())
+                        grouped = sum(rows for _, rows in pairs["grouped"])
+                        self.assertEqual(pairs["dense"] if dense else grouped, mine)
+                        self.assertEqual(grouped + pairs["dense"], mine)
+                        self.assertTrue(all(0 <= e < 4 for e, _ in pairs["grouped"]))
 
 
 if __name__ == "__main__":

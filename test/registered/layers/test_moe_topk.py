@@ -1,5 +1,7 @@
 """MoE routing: select_experts masks rows >= num_token_non_padded, and EPMoE
-computes those rows with no expert (single process, EP size 1)."""
+gives those rows weight 0 for every expert (dense path) or computes them
+with no expert (grouped path); either way their output is exactly 0
+(single process, EP size 1)."""
 
 import unittest
 from unittest import mock
@@ -110,18 +112,27 @@ class TestSelectExperts(CustomTestCase):
 
 
 class _ExpertSpy:
-    """Records the input rows of every EPMoE._expert call."""
+    """Records what reaches an expert: the input rows of every grouped
+    EPMoE._expert call, and every dense forward's routing weights."""
 
     def __init__(self):
         self.calls = []  # (expert id, rows [r, H])
-        self._real = EPMoE._expert
+        self.routing = []  # [T, E_local] weights of each dense forward
+        self._expert, self._routing = EPMoE._expert, EPMoE._routing_weights
 
-    def __call__(self, module, e, x):
+    def expert(self, module, e, x):
         self.calls.append((e, x.detach().clone()))
-        return self._real(module, e, x)
+        return self._expert(module, e, x)
 
-    def rows(self) -> int:
-        return sum(x.shape[0] for _, x in self.calls)
+    def routing_weights(self, module, topk, *, masked):
+        weights = self._routing(module, topk, masked=masked)
+        self.routing.append(weights.clone())
+        return weights
+
+    def pairs(self) -> int:
+        """(row, expert) pairs that reach an expert with a nonzero weight."""
+        grouped = sum(x.shape[0] for _, x in self.calls)
+        return grouped + sum(int((w != 0).sum()) for w in self.routing)
 
 
 def _make_moe(device="cpu") -> EPMoE:
@@ -144,21 +155,35 @@ def _reference_moe(moe: EPMoE, x: torch.Tensor) -> torch.Tensor:
 
 
 class TestEPMoE(CustomTestCase):
+    """Each check runs on both paths: dense (the default at these 7 rows)
+    and grouped (forced by a zero threshold)."""
+
     def setUp(self):
         super().setUp()
         self.moe = _make_moe()
         self.x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(9))
 
-    def _forward(self, n=None):
+    def _forward(self, n=None, *, dense: bool):
+        self.moe.dense_max_row_experts = 10**9 if dense else 0
         spy = _ExpertSpy()
 
-        # A plain function, so it binds as a method like the real one.
+        # Plain functions, so they bind as methods like the real ones.
         def expert(module, e, x):
-            return spy(module, e, x)
+            return spy.expert(module, e, x)
 
-        with mock.patch.object(EPMoE, "_expert", expert):
-            with torch.no_grad():
-                out = self.moe(self.x, None if n is None else _scalar(n))
+        def routing_weights(module, topk, *, masked):
+            return spy.routing_weights(module, topk, masked=masked)
+
+        with (
+            mock.patch.object(EPMoE, "_expert", expert),
+            mock.patch.object(EPMoE, "_routing_weights", routing_weights),
+            torch.no_grad(),
+        ):
+            out = self.moe(self.x, None if n is None else _scalar(n))
+        # The path asked for is the one that ran.
+        self.assertEqual(len(spy.routing), int(dense))
+        if dense:
+            self.assertEqual(spy.calls, [])
         return out, spy
 
     def test_single_process_holds_every_expert(self):
@@ -166,25 +191,37 @@ class TestEPMoE(CustomTestCase):
         self.assertEqual(self.moe.first_local, 0)
 
     def test_unmasked_output_matches_dense_reference(self):
-        out, spy = self._forward()
-        torch.testing.assert_close(
-            out.double(), _reference_moe(self.moe, self.x), rtol=1e-5, atol=1e-5
-        )
-        # Every row reaches exactly top_k experts.
-        self.assertEqual(spy.rows(), T * TOP_K)
+        for dense in (True, False):
+            with self.subTest(dense=dense):
+                out, spy = self._forward(dense=dense)
+                torch.testing.assert_close(
+                    out.double(),
+                    _reference_moe(self.moe, self.x),
+                    rtol=1e-5,
+                    atol=1e-5,
+                )
+                # Every row reaches exactly top_k experts.
+                self.assertEqual(spy.pairs(), T * TOP_K)
 
     def test_masked_rows_are_zero_and_real_rows_unchanged(self):
-        full, _ = self._forward()
-        for n in (0, 1, 4, T):
-            with self.subTest(n=n):
-                out, spy = self._forward(n)
-                torch.testing.assert_close(out[:n], full[:n], rtol=1e-6, atol=1e-6)
-                self.assertTrue(bool((out[n:] == 0).all()))
-                self.assertEqual(spy.rows(), n * TOP_K)
+        for dense in (True, False):
+            full, _ = self._forward(dense=dense)
+            for n in (0, 1, 4, T):
+                with self.subTest(dense=dense, n=n):
+                    out, spy = self._forward(n, dense=dense)
+                    torch.testing.assert_close(out[:n], full[:n], rtol=1e-6, atol=1e-6)
+                    self.assertTrue(bool((out[n:] == 0).all()))
+                    self.assertEqual(spy.pairs(), n * TOP_K)
 
     def test_masked_rows_reach_no_expert(self):
         n = 3
-        _, spy = self._forward(n)
+        # Dense: padded rows have weight 0 for every expert, real rows top_k.
+        _, spy = self._forward(n, dense=True)
+        (weights,) = spy.routing
+        self.assertEqual((weights[n:] != 0).sum().item(), 0)
+        self.assertEqual((weights[:n] != 0).sum(dim=1).tolist(), [TOP_K] * n)
+        # Grouped: padded rows are never an expert's input.
+        _, spy = self._forward(n, dense=False)
         self.assertGreater(len(spy.calls), 0)
         seen = torch.cat([x for _, x in spy.calls])
         # Each row an expert computed is one of the real rows, never padding.
@@ -206,23 +243,18 @@ class TestEPMoE(CustomTestCase):
                     )
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
-    def test_cuda_sparse_and_dense_paths(self):
+    def test_cuda_runs_dense_and_matches_the_cpu(self):
         moe, x = _make_moe("cuda"), self.x.cuda()
+        moe.dense_max_row_experts = 0  # ignored on CUDA: always dense
         n = _scalar(4, "cuda")
-        with torch.no_grad():
+        with (
+            mock.patch.object(EPMoE, "_expert", side_effect=AssertionError),
+            torch.no_grad(),
+        ):
             full = moe(x)
-            sparse = moe(x, n)
-            # The dense path runs when a graph is being captured; force it here.
-            with mock.patch.object(
-                torch.cuda, "is_current_stream_capturing", return_value=True
-            ):
-                dense = moe(x, n)
-                dense_full = moe(x)
-        torch.testing.assert_close(sparse[:4], full[:4], rtol=1e-5, atol=1e-5)
-        self.assertTrue(bool((sparse[4:] == 0).all()))
-        torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-5)
-        self.assertTrue(bool((dense[4:] == 0).all()))
-        torch.testing.assert_close(dense_full, full, rtol=1e-5, atol=1e-5)
+            masked = moe(x, n)
+        torch.testing.assert_close(masked[:4], full[:4], rtol=1e-5, atol=1e-5)
+        self.assertTrue(bool((masked[4:] == 0).all()))
         torch.testing.assert_close(
             full.double().cpu(),
             _reference_moe(moe.cpu(), self.x),

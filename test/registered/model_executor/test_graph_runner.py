@@ -159,17 +159,27 @@ def _clone(out):
     return out.logits.clone(), aux
 
 
-def _count_expert_rows(fn):
-    """Run fn(); return its result and the rows all experts received."""
-    rows, real = [], EPMoE._expert
+def _count_expert_pairs(fn):
+    """Run fn(); return its result and the (row, expert) pairs that reached
+    an expert: rows of grouped EPMoE._expert calls plus nonzero routing
+    weights of dense forwards (a zero weight adds exactly 0)."""
+    pairs, expert, routing = [], EPMoE._expert, EPMoE._routing_weights
 
-    def expert(module, e, x):
-        rows.append(x.shape[0])
-        return real(module, e, x)
+    def spy_expert(module, e, x):
+        pairs.append(x.shape[0])
+        return expert(module, e, x)
 
-    with mock.patch.object(EPMoE, "_expert", expert):
+    def spy_routing(module, topk, *, masked):
+        weights = routing(module, topk, masked=masked)
+        pairs.append(int((weights != 0).sum()))
+        return weights
+
+    with (
+        mock.patch.object(EPMoE, "_expert", spy_expert),
+        mock.patch.object(EPMoE, "_routing_weights", spy_routing),
+    ):
         result = fn()
-    return result, sum(rows)
+    return result, sum(pairs)
 
 
 class _RunnerChecks:
@@ -201,9 +211,13 @@ class _RunnerChecks:
         w = self.world
         runner = self._runner(q, capture)
         batch = w.step_batch([0, 3, 5], q, capture=capture)
-        # A sentinel in scratch, so the dummy row's write there shows.
+        # A sentinel in scratch, so the dummy row's write there shows, and in
+        # the rows' own slots (written before they are read), so their writes
+        # show even where an earlier case wrote the same values.
         w.kv_pool.k[:, SCRATCH_SLOT] = 7.0
         w.kv_pool.v[:, SCRATCH_SLOT] = 7.0
+        w.kv_pool.k[:, batch.out_cache_loc] = -7.0
+        w.kv_pool.v[:, batch.out_cache_loc] = -7.0
         before, padded, after_padded, eager, after_eager = self._padded_vs_eager(
             runner, batch
         )
@@ -378,17 +392,17 @@ class TestGraphRunnerCPU(_RunnerChecks, CustomTestCase):
         )
 
     def test_scalar_masks_padding_in_the_moe(self):
-        # The scalar from the batch reaches the MoE: dummy rows get no expert.
+        # The scalar from the batch reaches the MoE: dummy rows reach no expert.
         w = self.world
         layers, top_k = w.model.config.num_layers, w.model.config.top_k
         for q in (1, WINDOW):
             with self.subTest(tokens_per_req=q):
                 runner = self._runner(q)
                 scalar = torch.tensor(3 * q, dtype=torch.int32)
-                _, plain = _count_expert_rows(
+                _, plain = _count_expert_pairs(
                     lambda: runner.run(w.step_batch([0, 1, 2], q))
                 )
-                _, masked = _count_expert_rows(
+                _, masked = _count_expert_pairs(
                     lambda: runner.run(w.step_batch([0, 1, 2], q, scalar=scalar))
                 )
                 self.assertEqual(plain, layers * top_k * 4 * q)

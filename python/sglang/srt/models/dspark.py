@@ -8,7 +8,7 @@ embedding and LM head are the target's own modules, shared.
 """
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,6 +23,13 @@ from sglang.srt.models.tiny_moe import (
     TinyMoEDecoderLayer,
     TinyMoEForCausalLM,
 )
+
+# Up to this vocabulary the Markov head's correction after every token is
+# tabulated once, a [V, V] table (256 KB at V = 256, 4 MB at 1024), so a
+# block slot costs one row gather instead of a gather and a [rank, V]
+# matmul. A real 128k vocabulary keeps the low-rank path (its table would
+# be 64 GB).
+MARKOV_TABLE_MAX_VOCAB = 1024
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class DSparkDraftModel(nn.Module):
         self.markov_w2 = nn.Linear(config.markov_rank, tcfg.vocab_size, bias=False)
         # The draft's own table (same positions as the target's).
         self.rotary_emb = RotaryEmbedding(tcfg.head_dim, tcfg.max_position)
+        self._markov_table_key: Optional[Tuple[int, ...]] = None
+        self._markov_table: Optional[torch.Tensor] = None
 
     @torch.no_grad()
     def write_context(
@@ -85,6 +94,23 @@ class DSparkDraftModel(nn.Module):
         return ModelOutput(logits=self.lm_head(self.norm(hidden)))
 
     @torch.no_grad()
+    def markov_table(self) -> Optional[torch.Tensor]:
+        """[V, V]: row v is the correction after token v, W2(W1[v]); None
+        above ``MARKOV_TABLE_MAX_VOCAB``. Made once per weight version (a
+        load, a copy_ or a .to() makes a new one)."""
+        w1, w2 = self.markov_w1.weight, self.markov_w2.weight
+        if w1.shape[0] > MARKOV_TABLE_MAX_VOCAB:
+            return None
+        key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
+        if self._markov_table_key != key:
+            self._markov_table = self.markov_w2(w1)  # [V, V]
+            self._markov_table_key = key
+        return self._markov_table
+
+    @torch.no_grad()
     def markov_correction(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        # prev_ids: [bs] -> [bs, vocab]
+        # prev_ids: [...] -> [..., vocab]; the table's rows when there is one.
+        table = self.markov_table()
+        if table is not None:
+            return table[prev_ids]
         return self.markov_w2(self.markov_w1(prev_ids))

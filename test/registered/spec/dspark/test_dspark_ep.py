@@ -1,8 +1,8 @@
 """Expert parallelism over real torch.distributed groups (gloo, 2 ranks).
 
 Each rank holds half the experts; the draft and verify batches carry the
-int32 scalar, padded rows are masked so no rank computes them, and the
-greedy output equals the single-process run. The scalar lives in buffers
+int32 scalar, padded rows are masked (expert id -1) so they reach no expert
+on any rank, and the greedy output equals the single-process run. The scalar lives in buffers
 allocated once: every decode step, counted with OpCounter, creates no int32
 0-dim tensor and copies nothing from the host, on either rank.
 """
@@ -52,20 +52,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _count_expert_rows(engine) -> list:
-    """Patch every MoE's experts to count the rows they compute."""
-    rows = [0]
+def _count_expert_pairs(engine) -> list:
+    """Patch every MoE to count the (row, expert) pairs that reach an expert:
+    rows of grouped _expert calls, nonzero routing weights of dense forwards
+    (a padded row's weights are all 0: it adds exactly 0 to the output)."""
+    pairs = [0]
     for model in (engine.worker.target_worker.model, engine.worker.draft_model):
         for module in model.modules():
             if isinstance(module, EPMoE):
-                original = module._expert
+                expert, routing = module._expert, module._routing_weights
 
-                def counted(e, x, original=original):
-                    rows[0] += x.shape[0]
-                    return original(e, x)
+                def counted_expert(e, x, expert=expert):
+                    pairs[0] += x.shape[0]
+                    return expert(e, x)
 
-                module._expert = counted
-    return rows
+                def counted_routing(topk, *, masked, routing=routing):
+                    weights = routing(topk, masked=masked)
+                    pairs[0] += int((weights != 0).sum())
+                    return weights
+
+                module._expert = counted_expert
+                module._routing_weights = counted_routing
+    return pairs
 
 
 def _run(engine) -> dict:
@@ -85,13 +93,13 @@ def _run(engine) -> dict:
             return original(fb)
 
         runner.forward = spy
-    rows = _count_expert_rows(engine)
+    pairs = _count_expert_pairs(engine)
     step_counts = _count_decode_steps(engine)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     return {
         "output_ids": [o["output_ids"] for o in outs],
         "scalars": scalars,
-        "expert_rows": rows[0],
+        "expert_pairs": pairs[0],
         "step_counts": step_counts,
     }
 
@@ -186,12 +194,13 @@ class TestDSparkExpertParallel(CustomTestCase):
             self.assertEqual(draft[0][1], 3 * gamma)  # all three running, padded to 4
 
     def test_padded_rows_reach_no_expert(self):
-        # Every (row, expert) pair is computed on exactly one rank, padded rows
-        # on none: the ranks together match a masked single-process run, and
-        # compute fewer rows than the unmasked one.
-        total = sum(r["expert_rows"] for r in self.ranks)
-        self.assertEqual(total, self.single_masked["expert_rows"])
-        self.assertLess(total, self.single["expert_rows"])
+        # Every real (row, expert) pair reaches an expert on exactly one rank,
+        # padded rows on none (weight 0 on the dense path, uncomputed on the
+        # grouped one): the ranks together match a masked single-process
+        # run, and reach fewer pairs than the unmasked one.
+        total = sum(r["expert_pairs"] for r in self.ranks)
+        self.assertEqual(total, self.single_masked["expert_pairs"])
+        self.assertLess(total, self.single["expert_pairs"])
         self.assertEqual(self.single_masked["output_ids"], self.single["output_ids"])
 
     def test_steps_create_no_scalar_on_either_rank(self):

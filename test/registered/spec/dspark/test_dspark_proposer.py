@@ -1,4 +1,5 @@
-"""DraftBlockProposer: block layout, shapes, and num_token_non_padded at its call site."""
+"""DraftBlockProposer: block layout, shapes, num_token_non_padded at its call
+site, and the Markov head (tabulated for small vocabularies, low-rank above)."""
 
 import unittest
 from unittest import mock
@@ -8,6 +9,7 @@ import torch
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.models import dspark
 from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
@@ -127,6 +129,52 @@ class TestDraftBlockProposer(CustomTestCase):
             _, patched = self._propose(batch)
         self.assertEqual(int(self.seen[-1].num_token_non_padded), bs * self.gamma)
         self.assertEqual(patched.draft_tokens.tolist(), tokens_off.tolist())
+
+    def test_markov_table_is_the_low_rank_head(self):
+        draft = self.worker.draft_model
+        vocab = self.engine.vocab_size
+        self.assertLessEqual(vocab, dspark.MARKOV_TABLE_MAX_VOCAB)
+        table = draft.markov_table()
+        self.assertEqual(tuple(table.shape), (vocab, vocab))
+        self.assertIs(draft.markov_table(), table)  # made once, not per call
+        ids = torch.arange(vocab, device=table.device)
+        with torch.no_grad():
+            low_rank = draft.markov_w2(draft.markov_w1(ids))  # [V, V]
+        torch.testing.assert_close(table, low_rank, rtol=1e-5, atol=1e-6)
+        self.assertGreater(float(table.abs().max()), 0.1)
+        prev = torch.tensor([[3, 7], [7, 250]], device=table.device)
+        self.assertTrue(torch.equal(draft.markov_correction(prev), table[prev]))
+        # New weights (a copy_ into the same storage) make a new table.
+        with torch.no_grad():
+            draft.markov_w2.weight.mul_(2)
+        torch.testing.assert_close(draft.markov_table(), 2 * table)
+
+    def test_large_vocab_keeps_the_low_rank_path(self):
+        batch = self._make_batch(temperatures=(0.0, 0.7, 0.0))
+        generator = torch.Generator(self.device)
+        generator.manual_seed(3)
+        tabulated = self.proposer.propose(
+            batch=batch, window=self.worker.window(batch), generator=generator
+        )
+        tokens, logits = tabulated.draft_tokens.clone(), tabulated.draft_logits.clone()
+        draft = self.worker.draft_model
+        prev = torch.cat([batch.last_ids.unsqueeze(1), tokens[:, :-1]], 1)
+        with mock.patch.object(dspark, "MARKOV_TABLE_MAX_VOCAB", 255):
+            self.assertIsNone(draft.markov_table())
+            with torch.no_grad():
+                expected = draft.markov_w2(draft.markov_w1(prev))
+            self.assertTrue(torch.equal(draft.markov_correction(prev), expected))
+            generator.manual_seed(3)
+            low_rank = self.proposer.propose(
+                batch=batch, window=self.worker.window(batch), generator=generator
+            )
+        # The same head, rounded differently: the same draft tokens.
+        self.assertEqual(low_rank.draft_tokens.tolist(), tokens.tolist())
+        torch.testing.assert_close(low_rank.draft_logits, logits, rtol=1e-5, atol=1e-5)
+        base = self.base_logits[-1].view(batch.batch_size, self.gamma, -1)
+        torch.testing.assert_close(
+            low_rank.draft_logits, base + expected, rtol=1e-6, atol=1e-6
+        )
 
     def test_batch_over_capacity_is_an_error(self):
         batch = self._make_batch()

@@ -2,11 +2,21 @@
 
 Every rank holds ``num_experts / ep_size`` experts and sees the same rows;
 it computes its experts' share and one all-reduce over the EP group sums
-the shares. Eagerly, (row, expert) pairs are sorted by expert once and each
-hit expert runs on its rows only; rows whose expert id is -1 are computed by
-no expert. Under CUDA-graph capture shapes must be static, so every local
-expert runs on every row and -1 rows get weight 0 (their output is still
-exactly 0).
+the shares. Two ways to compute the share, the same function:
+
+- dense (``T * E_local <= dense_max_row_experts``, always on CUDA, so also
+  under CUDA-graph capture): every local expert on every row in two matmuls
+  over all local experts at once, each expert's share scaled by the row's
+  routing weight for it (0 where not routed). A constant op count and no
+  host read: on these tiny shapes a step costs what it dispatches more than
+  what it multiplies. Padded rows (expert id -1) are computed and multiplied
+  by 0, so their output is exactly 0;
+- grouped (eager CPU, more rows): (row, expert) pairs sorted by expert once,
+  each hit expert run on its rows only, bitwise equal to a loop over
+  experts; padded rows are computed by no expert. Past the threshold the
+  dense path's E_local / top_k times more multiply-adds cost more than the
+  grouped path's per-expert ops.
+
 The all-reduce always carries the whole [T, H] tensor.
 """
 
@@ -19,6 +29,12 @@ from torch import nn
 
 from sglang.srt.layers.moe.topk import TopKOutput, select_experts
 from sglang.srt.runtime_context import get_parallel
+
+# Dense up to this many rows * local experts (64 rows over 8 experts).
+# Measured on one CPU thread, hidden 64, intermediate 96: dense is faster
+# than grouped alone up to ~32 rows over 8 experts, and inside a whole
+# decode step also at 48 (a bs-8 verify); grouped wins for long prompts.
+DENSE_MAX_ROW_EXPERTS = 512
 
 
 class EPMoE(nn.Module):
@@ -40,8 +56,10 @@ class EPMoE(nn.Module):
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.ep_group = parallel.moe_ep_group
         self.num_experts, self.top_k = num_experts, top_k
+        self.intermediate_size = intermediate_size
         self.num_local = num_experts // self.ep_size
         self.first_local = self.ep_rank * self.num_local
+        self.dense_max_row_experts = DENSE_MAX_ROW_EXPERTS
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         # Only this rank's experts: gate+up fused [E_local, 2 * I, H], down [E_local, H, I].
         self.w13 = nn.Parameter(
@@ -54,8 +72,10 @@ class EPMoE(nn.Module):
         self.register_buffer(
             "_expert_ends", torch.arange(1, self.num_local + 1), persistent=False
         )
-        self._weight_views_key: Optional[Tuple[int, int]] = None
-        self._weight_views: Tuple[Tuple[torch.Tensor, ...], ...] = ()
+        # Layouts derived from w13/w2, remade when a weight changes.
+        self._derived_key: Optional[Tuple[int, ...]] = None
+        self._expert_views: Tuple[Tuple[torch.Tensor, ...], ...] = ()
+        self._all_experts: Tuple[torch.Tensor, ...] = ()
 
     def load_full_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Take this rank's slice of the full expert weights (every rank has all)."""
@@ -64,23 +84,30 @@ class EPMoE(nn.Module):
             self.w13.copy_(w13[local])
             self.w2.copy_(w2[local])
 
-    def _expert_weights(self) -> Tuple[Tuple[torch.Tensor, ...], ...]:
-        """Per-expert transposed views ([H, 2I] and [I, H]): F.linear's
-        operands without its per-call select and transpose. Made once per
-        weight storage; a .to() or a reassigned .data makes new ones."""
-        key = (self.w13.data_ptr(), self.w2.data_ptr())
-        if self._weight_views_key != key:
-            self._weight_views = tuple(
-                tuple(w.detach().transpose(1, 2).unbind(0)) for w in (self.w13, self.w2)
-            )
-            self._weight_views_key = key
-        return self._weight_views
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        # x: [rows, H] -> [rows, H]; F.linear's arithmetic (mm with W.t()).
-        w13_t, w2_t = self._expert_weights()
-        gate, up = torch.mm(x, w13_t[e]).chunk(2, dim=-1)
-        return torch.mm(F.silu(gate).mul_(up), w2_t[e])
+    def _derived_weights(self) -> None:
+        """Remake the layouts below when a weight's storage (a .to(), a new
+        .data) or its version (a copy_, a load) changed since the last call."""
+        w13, w2 = self.w13.detach(), self.w2.detach()
+        key = (w13.data_ptr(), self.w13._version, w2.data_ptr(), self.w2._version)
+        if self._derived_key == key:
+            return
+        inter, hidden = self.intermediate_size, w13.shape[-1]
+        # Grouped path: per-expert transposed views ([H, 2I] and [I, H]),
+        # F.linear's operands without its per-call select and transpose.
+        self._expert_views = tuple(
+            tuple(w.transpose(1, 2).unbind(0)) for w in (w13, w2)
+        )
+        # Dense path: all local experts side by side, copied once. w13 as
+        # [H, 2 * E_local * I] (every gate, then every up: each half of the
+        # product is one contiguous block per row), w2 as [E_local * I, H].
+        gates_ups = torch.cat(
+            (w13[:, :inter].reshape(-1, hidden), w13[:, inter:].reshape(-1, hidden))
+        )
+        self._all_experts = (
+            gates_ups.t(),
+            w2.transpose(1, 2).reshape(-1, hidden).contiguous(),
+        )
+        self._derived_key = key
 
     def forward(self, x: torch.Tensor, num_token_non_padded=None) -> torch.Tensor:
         # x: [T, H]
@@ -89,14 +116,57 @@ class EPMoE(nn.Module):
             top_k=self.top_k,
             num_token_non_padded=num_token_non_padded,
         )
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            out = self._forward_static(x, topk)
+        masked = num_token_non_padded is not None
+        self._derived_weights()
+        # CUDA: always dense (static shapes for capture, no host read).
+        if x.is_cuda or x.shape[0] * self.num_local <= self.dense_max_row_experts:
+            out = self._forward_dense(x, topk, masked=masked)
         else:
-            masked = num_token_non_padded is not None
             out = self._forward_grouped(x, topk, masked=masked)
         if self.ep_size > 1:
             dist.all_reduce(out, group=self.ep_group)
         return out
+
+    def _routing_weights(self, topk: TopKOutput, *, masked: bool) -> torch.Tensor:
+        """[T, E_local]: each row's weight for each local expert; 0 for the
+        experts it is not routed to, other ranks' experts, and every expert
+        of a padded row."""
+        ids = topk.topk_ids  # [T, top_k]
+        if masked:  # a -1 row's weights are 0: any in-range column takes them
+            ids = ids.clamp_min(0)
+        weights = torch.zeros(
+            ids.shape[0],
+            self.num_experts,
+            dtype=topk.topk_weights.dtype,
+            device=ids.device,
+        ).scatter_(
+            1, ids, topk.topk_weights
+        )  # [T, E]
+        if self.ep_size > 1:
+            weights = weights[:, self.first_local : self.first_local + self.num_local]
+        return weights
+
+    def _forward_dense(
+        self, x: torch.Tensor, topk: TopKOutput, *, masked: bool
+    ) -> torch.Tensor:
+        """Every local expert on every row: one matmul for all gates and ups,
+        one for all downs. Each expert's activations are scaled by the row's
+        weight before the down projection: that projection is linear, so the
+        result is the routed experts' weighted sum (rounded differently from
+        the grouped path, not a different function)."""
+        num_rows, width = x.shape[0], self.num_local * self.intermediate_size
+        w13, w2 = self._all_experts
+        weights = self._routing_weights(topk, masked=masked)  # [T, E_local]
+        h = torch.mm(x, w13)  # [T, 2 * E_local * I]: gates, then ups
+        act = F.silu(h[:, :width]).mul_(h[:, width:])  # [T, E_local * I]
+        act.view(num_rows, self.num_local, -1).mul_(weights.unsqueeze(-1))
+        return torch.mm(act, w2)  # [T, H]
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, H] -> [rows, H]; F.linear's arithmetic (mm with W.t()).
+        w13_t, w2_t = self._expert_views
+        gate, up = torch.mm(x, w13_t[e]).chunk(2, dim=-1)
+        return torch.mm(F.silu(gate).mul_(up), w2_t[e])
 
     def _forward_grouped(
         self, x: torch.Tensor, topk: TopKOutput, *, masked: bool
@@ -133,13 +203,3 @@ class EPMoE(nn.Module):
         y = torch.cat(ys) if len(ys) > 1 else ys[0]  # [R, H]
         y *= topk.topk_weights.view(-1).index_select(0, order).unsqueeze(1)
         return out.index_add_(0, rows, y)
-
-    def _forward_static(self, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        """Graph capture needs static shapes: every local expert on every row,
-        weight 0 where not routed (so -1 rows come out exactly 0)."""
-        local_ids = topk.topk_ids - self.first_local  # -1 stays out of range
-        out = torch.zeros_like(x)
-        for e in range(self.num_local):
-            weight = (topk.topk_weights * (local_ids == e)).sum(dim=-1)  # [T]
-            out += weight.unsqueeze(1) * self._expert(e, x)
-        return out

@@ -2,7 +2,7 @@
 
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
@@ -97,6 +97,21 @@ class DraftBlockProposer:
         rank = draft_model.markov_w1.weight.shape[1]
         self._markov_hidden = torch.zeros(max_batch_size, rank, device=device)
         self._markov_correction = torch.zeros(max_batch_size, vocab, device=device)
+        # Tabulate the Markov head now (small vocabularies), not in a step.
+        draft_model.markov_table()
+        # kv_lens = last block position + these ones: one broadcast add.
+        self._ones = torch.ones(config.gamma, dtype=torch.int64, device=device)
+        # Per batch size, each slot's (logits, token) views of the buffers:
+        # made once, so the slot loop dispatches no view ops.
+        self._slot_views: Dict[int, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]] = {}
+
+    def _slots(self, bs: int) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
+        if bs not in self._slot_views:
+            self._slot_views[bs] = tuple(
+                (self._draft_logits[:bs, k], self._draft_tokens[:bs, k])
+                for k in range(self.gamma)
+            )
+        return self._slot_views[bs]
 
     @torch.no_grad()  # the Markov head's out= ops read trainable weights
     def propose(
@@ -118,8 +133,7 @@ class DraftBlockProposer:
         out_cache_loc = self._out_cache_loc[:bs]
         out_cache_loc.copy_(window.out_cache_loc[:, :gamma])
         # Non-causal: every block row sees the context and the whole block.
-        kv_lens = self._kv_lens[:bs]
-        kv_lens.copy_(positions[:, -1:].expand(bs, gamma)).add_(1)
+        kv_lens = torch.add(positions[:, -1:], self._ones, out=self._kv_lens[:bs])
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
@@ -134,26 +148,32 @@ class DraftBlockProposer:
             ),
             num_token_non_padded_cpu=bs * gamma,
         )
-        base = self.draft_runner.forward(forward_batch).logits.view(bs, gamma, -1)
+        base = self.draft_runner.forward(forward_batch).logits  # [bs * gamma, V]
         tokens, logits = self._draft_tokens[:bs], self._draft_logits[:bs]
-        hidden = self._markov_hidden[:bs]  # [bs, rank]
+        logits.view(bs * gamma, -1).copy_(base)  # each slot adds its correction
         correction = self._markov_correction[:bs]  # [bs, vocab]
-        # DSparkDraftModel.markov_correction's arithmetic (embedding row, then
-        # the bias-free linear), written into the buffers instead of new tensors.
+        # DSparkDraftModel.markov_correction's arithmetic, written into the
+        # buffers instead of new tensors: a row of the tabulated head, or the
+        # embedding row then the bias-free linear.
+        table = self.draft_model.markov_table()  # [vocab, vocab] or None
+        hidden = self._markov_hidden[:bs]  # [bs, rank]
         w1 = self.draft_model.markov_w1.weight  # [vocab, rank]
         w2_t = self.draft_model.markov_w2.weight.t()  # [rank, vocab]
         prev = batch.last_ids
-        for k in range(gamma):  # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)])
-            torch.index_select(w1, 0, prev, out=hidden)
-            torch.mm(hidden, w2_t, out=correction)
-            logits_k = torch.add(base[:, k], correction, out=logits[:, k])
+        # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)]), left to right.
+        for logits_k, tokens_k in self._slots(bs):  # [bs, vocab], [bs]
+            if table is not None:
+                torch.index_select(table, 0, prev, out=correction)
+            else:
+                torch.index_select(w1, 0, prev, out=hidden)
+                torch.mm(hidden, w2_t, out=correction)
             sample_tokens(
-                logits=logits_k,
+                logits=logits_k.add_(correction),
                 temperatures=batch.temperatures,
                 generator=generator,
-                out=tokens[:, k],
+                out=tokens_k,
             )
-            prev = tokens[:, k]
+            prev = tokens_k
         return DraftProposal(
             draft_tokens=tokens,
             draft_logits=logits if batch.temperatures is not None else None,
