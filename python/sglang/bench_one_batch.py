@@ -125,19 +125,33 @@ def _committed(reqs: List[Req]) -> int:
 
 
 def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
-    """Mean aten ops and allocations of a decode step, over up to ``steps``
-    steps with the whole batch running (no admission, nobody finishing)."""
+    """Mean aten ops and allocations of a decode step with the whole batch
+    running: the first ``steps`` decode steps after the batch's prefill.
+
+    The counted requests get enough ``max_new_tokens`` that none finishes
+    inside them, even when a draft accepts every token (a step commits up
+    to ``lookahead + 1``); what is left of them is aborted afterwards.
+    Only steps that every request runs through are counted (an EOS could
+    end one early).
+    """
     scheduler = engine.scheduler
-    reqs = _submit(engine, prompts, params)
-    scheduler.step()  # admission and prefill, then the first decode step
+    per_step = engine.worker.lookahead + 1  # the most a decode step commits
+    room = engine.server_args.context_length - max(map(len, prompts))
+    max_new = min((steps + 1) * per_step + 1, room - engine.worker.lookahead)
+    reqs = _submit(engine, prompts, dict(params, max_new_tokens=max(1, max_new)))
     counts = []
-    while scheduler.has_work():
-        running = len(scheduler.running)
-        with OpCounter() as c:
-            scheduler.step()
-        if len(counts) < steps and len(scheduler.running) == running == len(reqs):
-            counts.append((c.ops, c.allocs))
-    scheduler.decode_step_times.clear()
+    try:
+        scheduler.step()  # admission and prefill, then the first decode step
+        for _ in range(steps):
+            if len(scheduler.running) != len(reqs):
+                break
+            with OpCounter() as c:
+                scheduler.step()
+            if len(scheduler.running) == len(reqs):
+                counts.append((c.ops, c.allocs))
+    finally:
+        scheduler.abort_requests(reqs)
+        scheduler.decode_step_times.clear()
     if not counts:
         return {"ops_per_step": None, "allocs_per_step": None}
     return {

@@ -70,6 +70,40 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertIn("greedy equal: True", text)
         self.assertIn(f"wrote {path}", text)
 
+    def test_op_counts_with_the_trained_pair(self):
+        # The shipped pair's draft accepts long runs, so a short request can
+        # finish in its first decode step: the op-count pass gives its own
+        # requests room for every counted step. Op counts do not depend on
+        # the weights (same architecture): they equal the random pair's.
+        rows = {}
+        for model in ([], ["--model-path", "random-tiny-moe"]):
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "bench.json")
+                rc, _ = _main(
+                    ["--batch-size", "3", "--input-len", "8", "--output-len", "4"]
+                    + ["--repeats", "1", "--temperature", "0", "--count-ops"]
+                    + ["--prompts", "random", "--json", path]
+                    + model
+                )
+                with open(path) as f:
+                    (rows[bool(model)],) = json.load(f)
+            self.assertEqual(rc, 0)
+        trained, random_pair = rows[False], rows[True]
+        self.assertTrue(trained["greedy_output_equal"])
+        self.assertGreater(trained["accept_length"], random_pair["accept_length"])
+        for key in (
+            "plain_ops_per_step",
+            "plain_allocs_per_step",
+            "dspark_ops_per_step",
+            "dspark_allocs_per_step",
+        ):
+            with self.subTest(key=key):
+                self.assertIsNotNone(trained[key])
+                self.assertEqual(trained[key], random_pair[key])
+        self.assertGreater(
+            trained["dspark_ops_per_step"], trained["plain_ops_per_step"]
+        )
+
     def test_sampling_reports_no_equality(self):
         rc, text = _main(
             ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
