@@ -87,10 +87,11 @@ class EPMoE(nn.Module):
     def _derived_weights(self) -> None:
         """Remake the layouts below when a weight's storage (a .to(), a new
         .data) or its version (a copy_, a load) changed since the last call."""
-        w13, w2 = self.w13.detach(), self.w2.detach()
-        key = (w13.data_ptr(), self.w13._version, w2.data_ptr(), self.w2._version)
+        w13, w2 = self.w13, self.w2
+        key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
         if self._derived_key == key:
             return
+        w13, w2 = w13.detach(), w2.detach()
         inter, hidden = self.intermediate_size, w13.shape[-1]
         # Grouped path: per-expert transposed views ([H, 2I] and [I, H]),
         # F.linear's operands without its per-call select and transpose.
