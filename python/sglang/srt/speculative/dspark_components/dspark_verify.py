@@ -142,10 +142,11 @@ def verify(
     if draft_logits is None:
         raise ValueError("sampling requests need the draft logits (q)")
     t = temperatures.unsqueeze(1)  # [bs, 1]
+    # Greedy rows take the greedy result below: their probs need no one-hot.
     sampled = rejection_verify(
         draft_tokens=draft_tokens,
-        draft_probs=temperature_probs(draft_logits, t),
-        target_probs=temperature_probs(target_logits, t),
+        draft_probs=temperature_probs(draft_logits, t, greedy_one_hot=False),
+        target_probs=temperature_probs(target_logits, t, greedy_one_hot=False),
         generator=generator,
     )
     is_greedy = temperatures == 0

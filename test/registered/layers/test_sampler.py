@@ -1,0 +1,87 @@
+"""sample_tokens: greedy rows take the argmax, sampling rows argmax(probs /
+Exp(1) noise); temperature_probs with and without the greedy one-hot."""
+
+import unittest
+
+import torch
+
+from sglang.srt.layers.sampler import sample_tokens, temperature_probs
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=2, suite="base-a-test-cpu")
+
+VOCAB = 50
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return 3 * torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+class TestSampleTokens(CustomTestCase):
+    def test_greedy_and_sampled_rows(self):
+        logits = _logits(6)
+        temperatures = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.5, 0.3])
+        tokens = sample_tokens(
+            logits=logits,
+            temperatures=temperatures,
+            generator=torch.Generator().manual_seed(4),
+        )
+        # The reference: the one-hot probs, the same noise stream.
+        probs = temperature_probs(logits, temperatures)
+        noise = torch.empty_like(probs).exponential_(
+            generator=torch.Generator().manual_seed(4)
+        )
+        self.assertEqual(tokens.tolist(), (probs / noise).argmax(-1).tolist())
+        greedy = temperatures == 0
+        self.assertEqual(tokens[greedy].tolist(), logits[greedy].argmax(-1).tolist())
+
+    def test_out_buffer_and_all_greedy(self):
+        logits = _logits(4, seed=1)
+        out = torch.full((4,), -1, dtype=torch.int64)
+        tokens = sample_tokens(logits=logits, temperatures=None, out=out)
+        self.assertEqual(tokens.data_ptr(), out.data_ptr())
+        self.assertEqual(out.tolist(), logits.argmax(-1).tolist())
+        temperatures = torch.tensor([0.0, 1.0, 0.0, 1.0])
+        sample_tokens(
+            logits=logits,
+            temperatures=temperatures,
+            generator=torch.Generator().manual_seed(0),
+            out=out,
+        )
+        greedy = logits.argmax(-1)
+        self.assertEqual(out[temperatures == 0].tolist(), greedy[[0, 2]].tolist())
+
+    def test_sampling_follows_the_probs(self):
+        # 40k draws of one row at T = 0.8: frequencies within 5 sigma of p.
+        logits = _logits(1, seed=2)[:, :8]
+        rows = 40_000
+        tokens = sample_tokens(
+            logits=logits.expand(rows, 8),
+            temperatures=torch.full((rows,), 0.8),
+            generator=torch.Generator().manual_seed(5),
+        )
+        p = torch.softmax(logits[0] / 0.8, dim=-1).double()
+        freq = torch.bincount(tokens, minlength=8).double() / rows
+        sigma = (p * (1 - p) / rows).sqrt()
+        self.assertTrue(bool(((freq - p).abs() <= 5 * sigma + 1e-4).all()))
+
+
+class TestTemperatureProbs(CustomTestCase):
+    def test_one_hot_only_where_asked(self):
+        logits = _logits(3, seed=3)
+        temperatures = torch.tensor([0.0, 0.5, 2.0])
+        with_one_hot = temperature_probs(logits, temperatures)
+        plain = temperature_probs(logits, temperatures, greedy_one_hot=False)
+        # Sampling rows: the same softmax(logits / T), bit for bit.
+        self.assertTrue(torch.equal(with_one_hot[1:], plain[1:]))
+        torch.testing.assert_close(plain[1:].sum(-1), torch.ones(2))
+        one_hot = torch.zeros(VOCAB)
+        one_hot[logits[0].argmax()] = 1.0
+        self.assertTrue(torch.equal(with_one_hot[0], one_hot))
+        # Without the one-hot a greedy row is softmax(logits / 1e-6).
+        self.assertTrue(torch.equal(plain[0], torch.softmax(logits[0] / 1e-6, dim=-1)))
+
+
+if __name__ == "__main__":
+    unittest.main()
