@@ -1,6 +1,6 @@
 """The target model's worker: prefill, and plain one-token decode steps."""
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -40,6 +40,9 @@ class TpModelWorker:
         self._table_index = torch.zeros_like(self._positions)
         self._out_cache_loc = torch.zeros_like(self._positions)
         self._next_ids = torch.zeros_like(self._positions)
+        self._flat_table = self.req_to_token.view(-1)
+        # Per batch size: the four buffers cut to it, made once.
+        self._views: Dict[int, Tuple[torch.Tensor, ...]] = {}
 
     def enable_decode_graphs(self) -> None:
         self.model_runner.add_graph_runner(
@@ -88,18 +91,25 @@ class TpModelWorker:
             raise ValueError(
                 f"batch of {bs} exceeds max_batch_size={self.max_batch_size}"
             )
-        positions = torch.sub(batch.seq_lens, 1, out=self._positions[:bs])  # [bs]
+        views = self._views.get(bs)
+        if views is None:
+            views = tuple(
+                t[:bs]
+                for t in (
+                    self._positions,
+                    self._table_index,
+                    self._out_cache_loc,
+                    self._next_ids,
+                )
+            )
+            self._views[bs] = views
+        positions, index, out_cache_loc, next_ids = views  # [bs] each
+        torch.sub(batch.seq_lens, 1, out=positions)
         # out_cache_loc[b] = req_to_token[req_pool_indices[b], positions[b]],
         # gathered from the flat table into a preallocated buffer.
-        index = torch.add(
-            positions,
-            batch.req_pool_indices,
-            alpha=self.req_to_token.shape[1],
-            out=self._table_index[:bs],
-        )
-        out_cache_loc = torch.index_select(
-            self.req_to_token.view(-1), 0, index, out=self._out_cache_loc[:bs]
-        )
+        width = self.req_to_token.shape[1]
+        torch.add(positions, batch.req_pool_indices, alpha=width, out=index)
+        torch.index_select(self._flat_table, 0, index, out=out_cache_loc)
         forward_batch = ForwardBatch.init_new(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
@@ -112,11 +122,11 @@ class TpModelWorker:
             num_token_non_padded_buffer=self._num_token_non_padded,
         )
         logits = self.model_runner.forward(forward_batch).logits
-        next_ids = sample_tokens(
+        sample_tokens(
             logits=logits,
             temperatures=batch.temperatures,
             generator=self.generator,
-            out=self._next_ids[:bs],
+            out=next_ids,
         )
         batch.seq_lens.add_(1)
         batch.last_ids.copy_(next_ids)

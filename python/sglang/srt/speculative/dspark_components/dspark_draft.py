@@ -64,6 +64,26 @@ class DraftProposal:
     block_ids: torch.Tensor  # [bs, gamma]: anchor, then mask_token_id
 
 
+@dataclass(frozen=True)
+class _BlockViews:
+    """The proposer's buffers cut to one batch size: made once per size, so
+    a step dispatches no slicing ops of its own."""
+
+    anchors: torch.Tensor  # [bs]: column 0 of block_ids
+    positions: torch.Tensor  # [bs, gamma]
+    last_positions: torch.Tensor  # [bs, 1]
+    out_cache_loc: torch.Tensor  # [bs, gamma]
+    kv_lens: torch.Tensor  # [bs, gamma]
+    block_ids: torch.Tensor  # [bs, gamma]
+    flat: Tuple[torch.Tensor, ...]  # input ids, positions, slots, kv_lens: [bs * gamma]
+    tokens: torch.Tensor  # [bs, gamma]
+    logits: torch.Tensor  # [bs, gamma, vocab]
+    flat_logits: torch.Tensor  # [bs * gamma, vocab]
+    correction: torch.Tensor  # [bs, vocab]
+    hidden: torch.Tensor  # [bs, rank]
+    slots: Tuple[Tuple[torch.Tensor, torch.Tensor], ...]  # per k: [bs, vocab], [bs]
+
+
 class DraftBlockProposer:
     """Builds the draft block batch, runs it once, samples the block left to
     right through the Markov head."""
@@ -101,17 +121,33 @@ class DraftBlockProposer:
         draft_model.markov_table()
         # kv_lens = last block position + these ones: one broadcast add.
         self._ones = torch.ones(config.gamma, dtype=torch.int64, device=device)
-        # Per batch size, each slot's (logits, token) views of the buffers:
-        # made once, so the slot loop dispatches no view ops.
-        self._slot_views: Dict[int, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]] = {}
+        self._block_views: Dict[int, _BlockViews] = {}
 
-    def _slots(self, bs: int) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
-        if bs not in self._slot_views:
-            self._slot_views[bs] = tuple(
-                (self._draft_logits[:bs, k], self._draft_tokens[:bs, k])
-                for k in range(self.gamma)
+    def _views(self, bs: int) -> _BlockViews:
+        views = self._block_views.get(bs)
+        if views is None:
+            block_ids, positions = self._block_ids[:bs], self._positions[:bs]
+            out_cache_loc, kv_lens = self._out_cache_loc[:bs], self._kv_lens[:bs]
+            tokens, logits = self._draft_tokens[:bs], self._draft_logits[:bs]
+            views = _BlockViews(
+                anchors=block_ids[:, 0],
+                positions=positions,
+                last_positions=positions[:, -1:],
+                out_cache_loc=out_cache_loc,
+                kv_lens=kv_lens,
+                block_ids=block_ids,
+                flat=tuple(
+                    t.view(-1) for t in (block_ids, positions, out_cache_loc, kv_lens)
+                ),
+                tokens=tokens,
+                logits=logits,
+                flat_logits=logits.view(bs * self.gamma, -1),
+                correction=self._markov_correction[:bs],
+                hidden=self._markov_hidden[:bs],
+                slots=tuple((logits[:, k], tokens[:, k]) for k in range(self.gamma)),
             )
-        return self._slot_views[bs]
+            self._block_views[bs] = views
+        return views
 
     @torch.no_grad()  # the Markov head's out= ops read trainable weights
     def propose(
@@ -126,56 +162,53 @@ class DraftBlockProposer:
             raise ValueError(
                 f"batch of {bs} exceeds max_batch_size={self.max_batch_size}"
             )
-        block_ids = self._block_ids[:bs]
-        block_ids[:, 0].copy_(batch.last_ids)  # the anchor is the last bonus token
-        positions = self._positions[:bs]
-        positions.copy_(window.positions[:, :gamma])
-        out_cache_loc = self._out_cache_loc[:bs]
-        out_cache_loc.copy_(window.out_cache_loc[:, :gamma])
+        v = self._views(bs)
+        v.anchors.copy_(batch.last_ids)  # the anchor is the last bonus token
+        v.positions.copy_(window.positions[:, :gamma])
+        v.out_cache_loc.copy_(window.out_cache_loc[:, :gamma])
         # Non-causal: every block row sees the context and the whole block.
-        kv_lens = torch.add(positions[:, -1:], self._ones, out=self._kv_lens[:bs])
+        torch.add(v.last_positions, self._ones, out=v.kv_lens)
+        input_ids, positions, out_cache_loc, kv_lens = v.flat
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
             tokens_per_req=gamma,
-            input_ids=block_ids.view(-1),
-            positions=positions.view(-1),
-            out_cache_loc=out_cache_loc.view(-1),
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
             req_pool_indices=batch.req_pool_indices,
-            kv_lens=kv_lens.view(-1),
+            kv_lens=kv_lens,
             num_token_non_padded=_make_num_token_non_padded(
                 bs * gamma, self.device, out=self._num_token_non_padded
             ),
             num_token_non_padded_cpu=bs * gamma,
         )
         base = self.draft_runner.forward(forward_batch).logits  # [bs * gamma, V]
-        tokens, logits = self._draft_tokens[:bs], self._draft_logits[:bs]
-        logits.view(bs * gamma, -1).copy_(base)  # each slot adds its correction
-        correction = self._markov_correction[:bs]  # [bs, vocab]
+        v.flat_logits.copy_(base)  # each slot then adds its correction
         # DSparkDraftModel.markov_correction's arithmetic, written into the
         # buffers instead of new tensors: a row of the tabulated head, or the
         # embedding row then the bias-free linear.
         table = self.draft_model.markov_table()  # [vocab, vocab] or None
-        hidden = self._markov_hidden[:bs]  # [bs, rank]
-        w1 = self.draft_model.markov_w1.weight  # [vocab, rank]
-        w2_t = self.draft_model.markov_w2.weight.t()  # [rank, vocab]
+        if table is None:
+            w1 = self.draft_model.markov_w1.weight  # [vocab, rank]
+            w2_t = self.draft_model.markov_w2.weight.t()  # [rank, vocab]
         prev = batch.last_ids
         # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)]), left to right.
-        for logits_k, tokens_k in self._slots(bs):  # [bs, vocab], [bs]
+        for logits_k, tokens_k in v.slots:  # [bs, vocab], [bs]
             if table is not None:
-                torch.index_select(table, 0, prev, out=correction)
+                torch.index_select(table, 0, prev, out=v.correction)
             else:
-                torch.index_select(w1, 0, prev, out=hidden)
-                torch.mm(hidden, w2_t, out=correction)
+                torch.index_select(w1, 0, prev, out=v.hidden)
+                torch.mm(v.hidden, w2_t, out=v.correction)
             sample_tokens(
-                logits=logits_k.add_(correction),
+                logits=logits_k.add_(v.correction),
                 temperatures=batch.temperatures,
                 generator=generator,
                 out=tokens_k,
             )
             prev = tokens_k
         return DraftProposal(
-            draft_tokens=tokens,
-            draft_logits=logits if batch.temperatures is not None else None,
-            block_ids=block_ids,
+            draft_tokens=v.tokens,
+            draft_logits=v.logits if batch.temperatures is not None else None,
+            block_ids=v.block_ids,
         )

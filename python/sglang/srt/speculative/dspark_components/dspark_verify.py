@@ -6,7 +6,7 @@ i, where the inputs are ``[bonus, d_1, ..., d_gamma]``; so draft ``d_j``
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -39,6 +39,44 @@ class VerifyBuffers:
         self.accept_lens = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self.bonus_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self.output_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._views: Dict[int, _VerifyViews] = {}
+
+    def cut(self, bs: int) -> "_VerifyViews":
+        """The buffers cut to ``bs`` rows, made once per batch size."""
+        views = self._views.get(bs)
+        if views is None:
+            target, accept_lens = self.target[:bs], self.accept_lens[:bs]
+            bonus, output_ids = self.bonus_ids[:bs], self.output_ids[:bs]
+            views = _VerifyViews(
+                target=target,
+                target_drafts=target[:, :-1],
+                matched=self.matched[:bs],
+                run=self.run[:bs],
+                accept_lens=accept_lens,
+                accept_col=accept_lens.unsqueeze(1),
+                bonus=bonus,
+                bonus_col=bonus.unsqueeze(1),
+                output_ids=output_ids,
+                output_drafts=output_ids[:, :-1],
+                output_spare=output_ids[:, -1],
+            )
+            self._views[bs] = views
+        return views
+
+
+@dataclass(frozen=True)
+class _VerifyViews:
+    target: torch.Tensor  # [bs, gamma + 1]
+    target_drafts: torch.Tensor  # [bs, gamma]: the rows that judge d_1..d_gamma
+    matched: torch.Tensor  # [bs, gamma] bool
+    run: torch.Tensor  # [bs, gamma]
+    accept_lens: torch.Tensor  # [bs]
+    accept_col: torch.Tensor  # [bs, 1]
+    bonus: torch.Tensor  # [bs]
+    bonus_col: torch.Tensor  # [bs, 1]
+    output_ids: torch.Tensor  # [bs, gamma + 1]
+    output_drafts: torch.Tensor  # [bs, gamma]
+    output_spare: torch.Tensor  # [bs]: the last column
 
 
 def _leading_run(accepted: torch.Tensor) -> torch.Tensor:
@@ -58,25 +96,26 @@ def _greedy_verify_into(
     buffers: VerifyBuffers,
 ) -> VerifyResult:
     """``greedy_verify``'s arithmetic with ``out=`` ops: no new tensors."""
-    bs, gamma = draft_tokens.shape
+    bs = draft_tokens.shape[0]
     if bs > buffers.max_batch_size:
         raise ValueError(
             f"batch of {bs} exceeds the verify buffers' max_batch_size="
             f"{buffers.max_batch_size}"
         )
-    target = torch.argmax(target_logits, dim=-1, out=buffers.target[:bs])
-    matched = torch.eq(draft_tokens, target[:, :-1], out=buffers.matched[:bs])
-    run = torch.cumprod(matched, dim=1, dtype=torch.int64, out=buffers.run[:bs])
-    accept_lens = torch.sum(run, dim=1, out=buffers.accept_lens[:bs])
-    bonus = buffers.bonus_ids[:bs]
-    torch.gather(target, 1, accept_lens.unsqueeze(1), out=bonus.unsqueeze(1))
+    v = buffers.cut(bs)
+    torch.argmax(target_logits, dim=-1, out=v.target)
+    torch.eq(draft_tokens, v.target_drafts, out=v.matched)
+    torch.cumprod(v.matched, dim=1, dtype=torch.int64, out=v.run)
+    torch.sum(v.run, dim=1, out=v.accept_lens)
+    torch.gather(v.target, 1, v.accept_col, out=v.bonus_col)
     # As _result: the drafts, the first draft in the spare column, the bonus
     # scattered in at the accept length.
-    output_ids = buffers.output_ids[:bs]
-    output_ids[:, :gamma].copy_(draft_tokens)
-    output_ids[:, gamma].copy_(draft_tokens[:, 0])
-    output_ids.scatter_(1, accept_lens.unsqueeze(1), bonus.unsqueeze(1))
-    return VerifyResult(accept_lens=accept_lens, bonus_ids=bonus, output_ids=output_ids)
+    v.output_drafts.copy_(draft_tokens)
+    v.output_spare.copy_(draft_tokens[:, 0])
+    v.output_ids.scatter_(1, v.accept_col, v.bonus_col)
+    return VerifyResult(
+        accept_lens=v.accept_lens, bonus_ids=v.bonus, output_ids=v.output_ids
+    )
 
 
 def greedy_verify(

@@ -6,6 +6,7 @@ slots lie past the new sequence length and are overwritten next step.
 """
 
 from dataclasses import replace
+from typing import Dict, Tuple
 
 import torch
 
@@ -77,6 +78,17 @@ class DSparkWorker:
         self.verify_buffers = VerifyBuffers(
             max_batch_size=max_batch_size, gamma=self.gamma, device=dev
         )
+        # Per batch size: (bonus column, draft columns, flat ids, kv_lens,
+        # flat kv_lens) of the buffers above, made once.
+        self._views: Dict[int, Tuple[torch.Tensor, ...]] = {}
+
+    def _cut(self, bs: int) -> Tuple[torch.Tensor, ...]:
+        views = self._views.get(bs)
+        if views is None:
+            ids, kv_lens = self._verify_ids[:bs], self._kv_lens[:bs]
+            views = (ids[:, 0], ids[:, 1:], ids.view(-1), kv_lens, kv_lens.view(-1))
+            self._views[bs] = views
+        return views
 
     def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
         # Target hidden states of these rows become the draft's context KV.
@@ -105,20 +117,20 @@ class DSparkWorker:
         proposal = self.proposer.propose(
             batch=batch, window=window, generator=self.generator
         )
-        verify_ids = self._verify_ids[:bs]  # [bs, gamma + 1]: bonus, d_1..d_gamma
-        verify_ids[:, 0].copy_(batch.last_ids)
-        verify_ids[:, 1:].copy_(proposal.draft_tokens)
-        kv_lens = self._kv_lens[:bs]
+        # The verify input [bs, gamma + 1]: bonus, d_1..d_gamma.
+        bonus_col, draft_cols, input_ids, kv_lens, flat_kv_lens = self._cut(bs)
+        bonus_col.copy_(batch.last_ids)
+        draft_cols.copy_(proposal.draft_tokens)
         torch.add(window.positions, 1, out=kv_lens)  # causal
         forward_batch = ForwardBatch.init_new(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
             tokens_per_req=gamma + 1,
-            input_ids=verify_ids.view(-1),
+            input_ids=input_ids,
             positions=window.positions.view(-1),
             out_cache_loc=window.out_cache_loc.view(-1),
             req_pool_indices=batch.req_pool_indices,
-            kv_lens=kv_lens.view(-1),
+            kv_lens=flat_kv_lens,
             capture_hidden_mode=CaptureHiddenMode.FULL,
             num_token_non_padded_buffer=self._num_token_non_padded,
         )
