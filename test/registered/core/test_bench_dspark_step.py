@@ -78,19 +78,33 @@ class TestBenchDSparkStep(CustomTestCase):
         self.assertIn("| C | before | after | fixed | reduction vs after", self.stdout)
 
     def test_counts_show_the_scalar_only_in_after(self):
+        # The regressed helper is torch.tensor(n).to(device): on the CPU the
+        # .to() is a no-op (one host scalar per step); on CUDA it adds the
+        # device copy, a second int32 scalar and one host-to-device copy.
+        on_cuda = torch.cuda.is_available()  # the bench's default device
+        per_step = 2 if on_cuda else 1
+        steps = 2  # --count-steps
+        scalar_ops = {"aten::lift_fresh": steps}
+        if on_cuda:
+            scalar_ops["aten::_to_copy"] = steps
         for r in self.result["rows"]:
             counts = r["counts"]
             self.assertEqual(counts["fixed"]["int32_scalars"], 0)
             self.assertEqual(counts["before"]["int32_scalars"], 0)
-            self.assertEqual(counts["after"]["int32_scalars"], 1)  # the proposer's
+            self.assertEqual(counts["after"]["int32_scalars"], per_step)
+            self.assertEqual(counts["fixed"]["h2d_copies"], 0)
+            self.assertEqual(counts["after"]["h2d_copies"], per_step - 1)
             self.assertEqual(
-                counts["after"]["int32_scalar_sites"], ["aten::lift_fresh"] * 2
+                sorted(counts["after"]["int32_scalar_sites"]),
+                sorted(name for name, n in scalar_ops.items() for _ in range(n)),
             )
             self.assertEqual(counts["fixed"]["glue_allocs"], 0)
-            self.assertEqual(counts["after"]["glue_allocs"], 1)
-            self.assertEqual(counts["after"]["allocs"], counts["fixed"]["allocs"] + 1)
+            self.assertEqual(counts["after"]["glue_allocs"], per_step)
+            self.assertEqual(
+                counts["after"]["allocs"], counts["fixed"]["allocs"] + per_step
+            )
             self.assertTrue(r["before_equals_fixed"])
-            self.assertEqual(r["after_minus_fixed"], {"aten::lift_fresh": 2})
+            self.assertEqual(r["after_minus_fixed"], scalar_ops)
             self.assertTrue(r["after_is_fixed_plus_scalar"])
         self.assertIn("before == fixed op for op: yes", self.stdout)
 

@@ -6,7 +6,7 @@ slots lie past the new sequence length and are overwritten next step.
 """
 
 from dataclasses import replace
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -78,6 +78,17 @@ class DSparkWorker:
         self.verify_buffers = VerifyBuffers(
             max_batch_size=max_batch_size, gamma=self.gamma, device=dev
         )
+        # On a GPU, one host read per step and no allocation: accept lengths
+        # and output ids are packed into one device buffer and copied into
+        # pinned host memory. On the CPU the results are read in place.
+        self._host_result = None
+        if torch.device(dev).type == "cuda":
+            self._step_result = torch.zeros(
+                (max_batch_size, self.gamma + 2), dtype=torch.int64, device=dev
+            )
+            self._host_result = torch.zeros(
+                self._step_result.shape, dtype=torch.int64
+            ).pin_memory()
         # Per batch size: (bonus column, draft columns, flat ids, kv_lens,
         # flat kv_lens) of the buffers above, made once.
         self._views: Dict[int, Tuple[torch.Tensor, ...]] = {}
@@ -89,6 +100,18 @@ class DSparkWorker:
             views = (ids[:, 0], ids[:, 1:], ids.view(-1), kv_lens, kv_lens.view(-1))
             self._views[bs] = views
         return views
+
+    def _read_back(self, result, bs: int) -> Tuple[List[int], List[List[int]]]:
+        """(accept lengths, output ids) of a step as host lists."""
+        if self._host_result is None:
+            return result.accept_lens.tolist(), result.output_ids.tolist()
+        packed, host = self._step_result[:bs], self._host_result[:bs]
+        packed[:, 0].copy_(result.accept_lens)
+        packed[:, 1:].copy_(result.output_ids)
+        host.copy_(packed, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        rows = host.tolist()
+        return [r[0] for r in rows], [r[1:] for r in rows]
 
     def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
         # Target hidden states of these rows become the draft's context KV.
@@ -147,8 +170,7 @@ class DSparkWorker:
         self._commit_to_draft(out.aux_hidden_states, forward_batch)
         batch.seq_lens.add_(result.accept_lens).add_(1)  # committed = accepted + 1
         batch.last_ids.copy_(result.bonus_ids)
-        accept_lens = result.accept_lens.tolist()
-        output_ids = result.output_ids.tolist()
+        accept_lens, output_ids = self._read_back(result, bs)
         return StepOutput(
             output_ids=[ids[: a + 1] for ids, a in zip(output_ids, accept_lens)],
             accepted_drafts=accept_lens,
