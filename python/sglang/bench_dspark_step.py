@@ -34,7 +34,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,13 +41,13 @@ import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 from unittest import mock
 
 import torch
 from tqdm import tqdm
 
+from sglang.srt.distributed.parallel_state import get_open_port
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.model_executor import forward_batch_info
@@ -404,24 +403,17 @@ def _activities(is_cuda: bool) -> list:
     return acts
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from sglang.srt.distributed.parallel_state import init_parallel_from_distributed
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=args.ep_timeout),  # a dead rank ends the run
+    from sglang.srt.distributed.parallel_state import (
+        init_distributed_environment,
+        init_parallel_from_distributed,
     )
+
+    init_distributed_environment(
+        rank=rank, world_size=world, port=port, timeout_s=args.ep_timeout
+    )  # a dead rank ends the run
     try:
         init_parallel_from_distributed(timeout_s=args.ep_timeout)
         rows = bench(args, rank)
@@ -441,7 +433,7 @@ def run(args: argparse.Namespace) -> Dict:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(
             _rank_main,
-            args=(args.ep_size, _free_port(), args, out_dir),
+            args=(args.ep_size, get_open_port(), args, out_dir),
             nprocs=args.ep_size,
             join=True,
         )

@@ -11,6 +11,7 @@ as upstream keeps a ``cpu_group`` next to each device group.
 
 import hashlib
 import json
+import socket
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -22,6 +23,27 @@ from sglang.srt.runtime_context import ParallelContext, get_parallel
 DIGEST_BYTES = 32  # sha256
 
 _MOE_EP_CPU_GROUP: Optional[Any] = None
+
+
+def get_open_port() -> int:
+    """A free TCP port on 127.0.0.1, for a process group of local ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed_environment(
+    *, rank: int, world_size: int, port: int, timeout_s: float, backend: str = "gloo"
+) -> None:
+    """Join a process group of ranks on this machine; a dead rank ends every
+    collective within ``timeout_s`` instead of hanging it."""
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def init_parallel_from_distributed(

@@ -9,10 +9,8 @@ allocated once: every decode step, counted with OpCounter, creates no int32
 
 import json
 import os
-import socket
 import tempfile
 import unittest
-from datetime import timedelta
 from unittest import mock
 
 import torch
@@ -20,7 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sglang import Engine
-from sglang.srt.distributed.parallel_state import init_parallel_from_distributed
+from sglang.srt.distributed.parallel_state import (
+    get_open_port,
+    init_distributed_environment,
+    init_parallel_from_distributed,
+)
 from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.utils.op_counter import OpCounter, count_calls
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -44,12 +46,6 @@ ENGINE_ARGS = dict(
     max_running_requests=4,
     cuda_graph_bs=[1, 2, 4],  # 3 requests pad to 4: padded rows exist
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _count_expert_pairs(engine) -> list:
@@ -129,13 +125,9 @@ def _count_decode_steps(engine) -> list:
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),  # a dead rank ends the run, never hangs it
-    )
+    init_distributed_environment(
+        rank=rank, world_size=world, port=port, timeout_s=60
+    )  # a dead rank ends the run, never hangs it
     try:
         state = init_parallel_from_distributed(timeout_s=60)
         engine = Engine(**ENGINE_ARGS)
@@ -157,7 +149,9 @@ class TestDSparkExpertParallel(CustomTestCase):
     def setUpClass(cls):
         super().setUpClass()
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(_rank_main, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+            mp.spawn(
+                _rank_main, args=(2, get_open_port(), out_dir), nprocs=2, join=True
+            )
             cls.ranks = []
             for r in range(2):
                 with open(os.path.join(out_dir, f"rank{r}.json")) as f:

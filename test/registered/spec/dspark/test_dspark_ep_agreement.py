@@ -10,16 +10,18 @@ call returns the single-process output.
 
 import json
 import os
-import socket
 import tempfile
 import unittest
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sglang import Engine
+from sglang.srt.distributed.parallel_state import (
+    get_open_port,
+    init_distributed_environment,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -29,12 +31,6 @@ PROMPTS = [[7, 3, 9, 1], [4, 4, 8]]
 PARAMS = {"max_new_tokens": 6}
 ARGS = dict(device="cpu", max_running_requests=4, dist_timeout=10)
 ALGORITHMS = (None, "DSPARK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _error(fn) -> list:
@@ -48,13 +44,7 @@ def _error(fn) -> list:
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=30),
-    )
+    init_distributed_environment(rank=rank, world_size=world, port=port, timeout_s=30)
     result = {"seed": _error(lambda: Engine(random_seed=rank, **ARGS))}
     for algo in ALGORITHMS:
         engine = Engine(speculative_algorithm=algo, **ARGS)
@@ -91,7 +81,9 @@ class TestExpertParallelAgreement(CustomTestCase):
     def setUpClass(cls):
         super().setUpClass()
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(_rank_main, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+            mp.spawn(
+                _rank_main, args=(2, get_open_port(), out_dir), nprocs=2, join=True
+            )
             cls.ranks = []
             for r in range(2):
                 with open(os.path.join(out_dir, f"rank{r}.json")) as f:

@@ -11,16 +11,17 @@ loaded machine), not a speed assertion.
 import json
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import unittest
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from sglang import Engine
+from sglang.srt.distributed.parallel_state import (
+    get_open_port,
+    init_distributed_environment,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -32,21 +33,9 @@ PROMPTS = [[7, 3, 9, 1], [4, 4, 8]]
 PARAMS = {"max_new_tokens": 12}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, port: int, mode: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=30),
-    )
+    init_distributed_environment(rank=rank, world_size=2, port=port, timeout_s=30)
     engine = Engine(
         speculative_algorithm="DSPARK", device="cpu", dist_timeout=DIST_TIMEOUT
     )
@@ -85,7 +74,7 @@ def _run(mode: str) -> tuple:
     1's exit code or None when it had to be killed)."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        port = get_open_port()
         procs = [
             ctx.Process(target=_rank_main, args=(rank, port, mode, out_dir))
             for rank in range(2)
