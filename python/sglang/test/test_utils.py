@@ -1,6 +1,9 @@
 """Shared test helpers, shaped like upstream's ``sglang.test.test_utils``."""
 
 import contextlib
+import json
+import os
+import tempfile
 import unittest
 from typing import Iterator, List
 
@@ -51,3 +54,21 @@ def record_decode_batch_sizes(engine) -> Iterator[List[int]]:
         yield sizes
     finally:
         del engine.worker.decode_step
+
+
+def spawn_ranks(rank_main, *, world_size: int = 2) -> List[dict]:
+    """Run ``rank_main(rank, world_size, port, out_dir)`` on ``world_size``
+    local processes (a free port for their group); each writes
+    ``out_dir/rank{rank}.json``. Returns those results in rank order."""
+    import torch.multiprocessing as mp
+
+    from sglang.srt.distributed.parallel_state import get_open_port
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = (world_size, get_open_port(), out_dir)
+        mp.spawn(rank_main, args=args, nprocs=world_size, join=True)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+    return results

@@ -9,24 +9,21 @@ allocated once: every decode step, counted with OpCounter, creates no int32
 
 import json
 import os
-import tempfile
 import unittest
 from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sglang import Engine
 from sglang.srt.distributed.parallel_state import (
-    get_open_port,
     init_distributed_environment,
     init_parallel_from_distributed,
 )
 from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.utils.op_counter import OpCounter, count_calls
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, spawn_ranks
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -148,14 +145,7 @@ class TestDSparkExpertParallel(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        with tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(
-                _rank_main, args=(2, get_open_port(), out_dir), nprocs=2, join=True
-            )
-            cls.ranks = []
-            for r in range(2):
-                with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                    cls.ranks.append(json.load(f))
+        cls.ranks = spawn_ranks(_rank_main, world_size=2)
         cls.single = _run(Engine(**ENGINE_ARGS))
         # One process, but with the scalar forced on, as EP would have it.
         with (

@@ -10,20 +10,15 @@ call returns the single-process output.
 
 import json
 import os
-import tempfile
 import unittest
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sglang import Engine
-from sglang.srt.distributed.parallel_state import (
-    get_open_port,
-    init_distributed_environment,
-)
+from sglang.srt.distributed.parallel_state import init_distributed_environment
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, spawn_ranks
 
 register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 
@@ -80,14 +75,7 @@ class TestExpertParallelAgreement(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        with tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(
-                _rank_main, args=(2, get_open_port(), out_dir), nprocs=2, join=True
-            )
-            cls.ranks = []
-            for r in range(2):
-                with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                    cls.ranks.append(json.load(f))
+        cls.ranks = spawn_ranks(_rank_main, world_size=2)
         cls.single = {
             str(algo): [
                 o["output_ids"]
