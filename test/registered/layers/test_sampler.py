@@ -1,11 +1,18 @@
 """sample_tokens: greedy rows take the argmax, sampling rows argmax(probs /
-Exp(1) noise); temperature_probs with and without the greedy one-hot."""
+Exp(1) noise); temperature_probs with and without the greedy one-hot;
+SamplingBatchInfo derived once per batch; Exp(1) noise is never 0."""
 
 import unittest
+import unittest.mock
 
 import torch
 
-from sglang.srt.layers.sampler import sample_tokens, temperature_probs
+from sglang.srt.layers.sampler import (
+    SamplingBatchInfo,
+    exp1_noise_,
+    sample_tokens,
+    temperature_probs,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -81,6 +88,43 @@ class TestTemperatureProbs(CustomTestCase):
         self.assertTrue(torch.equal(with_one_hot[0], one_hot))
         # Without the one-hot a greedy row is softmax(logits / 1e-6).
         self.assertTrue(torch.equal(plain[0], torch.softmax(logits[0] / 1e-6, dim=-1)))
+
+
+class TestSamplingBatchInfo(CustomTestCase):
+    def test_all_greedy_is_none(self):
+        self.assertIsNone(SamplingBatchInfo.from_temperatures([0.0, 0, 0.0], "cpu"))
+
+    def test_fields(self):
+        info = SamplingBatchInfo.from_temperatures([0.5, 0.0, 2.0], "cpu")
+        self.assertEqual(info.temperatures.tolist(), [0.5, 0.0, 2.0])
+        self.assertEqual(info.inv_temperatures.shape, (3, 1))
+        self.assertEqual(info.inv_temperatures.view(-1).tolist(), [2.0, 1.0, 0.5])
+        self.assertEqual(info.is_sampled.tolist(), [True, False, True])
+        self.assertFalse(info.all_sampled)
+        self.assertTrue(
+            SamplingBatchInfo.from_temperatures([1, 0.3], "cpu").all_sampled
+        )
+        # A tiny temperature is clamped as temperature_probs clamps it.
+        tiny = SamplingBatchInfo.from_temperatures([1e-12], "cpu")
+        self.assertAlmostEqual(tiny.inv_temperatures.item(), 1e6, delta=1)
+
+
+class TestExp1Noise(CustomTestCase):
+    def test_draws_are_exp1_and_positive(self):
+        gen = torch.Generator().manual_seed(0)
+        out = torch.empty(200_000)
+        self.assertIs(exp1_noise_(out, gen), out)
+        self.assertGreater(out.min().item(), 0.0)
+        self.assertAlmostEqual(out.mean().item(), 1.0, delta=0.015)  # 5 sigma
+
+    def test_zero_draw_is_clamped(self):
+        # A zero from exponential_ would make probs / noise infinite.
+        out = torch.zeros(4)
+        with unittest.mock.patch.object(
+            torch.Tensor, "exponential_", lambda t, **k: t.zero_()
+        ):
+            exp1_noise_(out)
+        self.assertTrue(bool((out == torch.finfo(torch.float32).tiny).all()))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,43 @@
 """Token sampling without a host sync: greedy rows take the argmax, others
 take argmax(probs / Exp(1) noise), which samples from probs."""
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
+
+# Exp(1) noise is clamped to this before it divides or is logged: a draw of
+# exactly 0 would otherwise pick its token whatever that token's probability.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class SamplingBatchInfo:
+    """A batch's sampling state, derived once when the batch is built (as
+    upstream's ``SamplingBatchInfo``): a decode step reads it, never
+    rebuilds it. ``None`` stands for an all-greedy batch."""
+
+    temperatures: torch.Tensor  # [bs] float32; 0 = greedy
+    inv_temperatures: torch.Tensor  # [bs, 1]: 1 / T; 1 on greedy rows
+    is_sampled: torch.Tensor  # [bs] bool: T > 0
+    all_sampled: bool  # no greedy row (known on the host, no sync)
+
+    @classmethod
+    def from_temperatures(
+        cls, temperatures: Sequence[float], device
+    ) -> Optional["SamplingBatchInfo"]:
+        temps = [float(t) for t in temperatures]
+        if not any(temps):
+            return None
+        t = torch.tensor(temps, dtype=torch.float32, device=device)
+        # As temperature_probs: T clamped at 1e-6, so logits / T stays finite.
+        inv = torch.where(t > 0, 1.0 / t.clamp_min(1e-6), torch.ones_like(t))
+        return cls(
+            temperatures=t,
+            inv_temperatures=inv.unsqueeze(1),
+            is_sampled=t > 0,
+            all_sampled=all(temps),
+        )
 
 
 def sample_tokens(
@@ -19,9 +53,16 @@ def sample_tokens(
         return greedy
     # Greedy rows take ``greedy`` below: their probs need no one-hot.
     probs = temperature_probs(logits, temperatures, greedy_one_hot=False)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise = exp1_noise_(torch.empty_like(probs), generator)
     sampled = probs.div_(noise).argmax(dim=-1)
     return torch.where(temperatures > 0, sampled, greedy, out=out)
+
+
+def exp1_noise_(
+    out: torch.Tensor, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """Fill ``out`` with Exp(1) draws, never 0 (see ``_TINY``); returns it."""
+    return out.exponential_(generator=generator).clamp_min_(_TINY)
 
 
 def temperature_probs(

@@ -7,6 +7,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from sglang.srt.layers.sampler import SamplingBatchInfo
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -105,7 +107,7 @@ class ScheduleBatch:
     req_pool_indices: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int64
     last_ids: torch.Tensor  # [bs] int64, the bonus token: next step's anchor
-    temperatures: Optional[torch.Tensor]  # [bs] float; None when all greedy
+    sampling_info: Optional[SamplingBatchInfo]  # None when all greedy
 
     @classmethod
     def from_reqs(cls, reqs: List[Req], device) -> "ScheduleBatch":
@@ -115,18 +117,25 @@ class ScheduleBatch:
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        temps = [r.sampling_params.temperature for r in reqs]
         return cls(
             reqs=list(reqs),
             req_pool_indices=tensor([r.req_pool_idx for r in reqs]),
             seq_lens=tensor([r.seq_len for r in reqs]),
             last_ids=tensor([r.output_ids[-1] for r in reqs]),
-            temperatures=tensor(temps, torch.float32) if any(temps) else None,
+            sampling_info=SamplingBatchInfo.from_temperatures(
+                [r.sampling_params.temperature for r in reqs], device
+            ),
         )
 
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+    @property
+    def temperatures(self) -> Optional[torch.Tensor]:
+        """[bs] float32, 0 = greedy; None when all greedy."""
+        info = self.sampling_info
+        return None if info is None else info.temperatures
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ exactly with OpCounter.
   seed's regression made one per step); the guard fails on the regressed
   helper, so it can fail.
 - The per-step glue (proposer, verify, worker; plain decode too) allocates
-  nothing outside the model forwards, for greedy batches.
+  nothing outside the model forwards, for greedy batches; the DSpark glue
+  neither for batches whose every request samples.
 """
 
 import unittest
@@ -48,12 +49,12 @@ def _model_forwards(engine):
     return [(worker.model_runner, "forward")]
 
 
-def count_decode_steps(engine, prompts=PROMPTS, steps=STEPS):
+def count_decode_steps(engine, prompts=PROMPTS, steps=STEPS, temperature=0.0):
     """Admit ``prompts`` (untimed, uncounted), then count ``steps`` decode
     steps one by one: [(whole-step counter, model-forward counter), ...]."""
     sched = engine.scheduler
     # Nobody finishes: each step (the admission's too) commits <= gamma + 1.
-    params = SamplingParams(max_new_tokens=2 + (steps + 1) * 8)
+    params = SamplingParams(max_new_tokens=2 + (steps + 1) * 8, temperature=temperature)
     for i, ids in enumerate(prompts):
         sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
     sched.step()
@@ -147,6 +148,20 @@ class TestGlueAllocations(CustomTestCase):
                 for step, model in counted:
                     self.assertGreater(model.allocs, 0)  # the forwards were seen
                     self.assertLess(model.ops, step.ops)
+
+    def test_dspark_sampling_step_glue_allocates_nothing(self):
+        # Every request samples: Gumbel draws into the proposer's buffers,
+        # rejection sampling into verify's (rejection_verify_into).
+        for prompts in (PROMPTS[:1], PROMPTS):
+            with self.subTest(bs=len(prompts)):
+                engine = _engine()
+                greedy = count_decode_steps(engine, prompts=prompts)
+                sampled = count_decode_steps(engine, prompts=prompts, temperature=1.0)
+                self.assertEqual(self._glue(sampled), [0] * STEPS)
+                # The model forwards are the same; the glue adds a few ops.
+                for (g_step, g_model), (s_step, s_model) in zip(greedy, sampled):
+                    self.assertEqual(s_model.ops, g_model.ops)
+                    self.assertGreater(s_step.ops, g_step.ops)
 
     def test_plain_step_glue_allocates_nothing(self):
         counted = count_decode_steps(_engine(speculative_algorithm=None))

@@ -106,6 +106,40 @@ class TestDraftBlockProposer(CustomTestCase):
             torch.testing.assert_close(logits[b], expected, rtol=1e-5, atol=1e-5)
         self.assertGreater(float(draft.markov_correction(prev[0]).abs().max()), 0.1)
 
+    def test_sampled_draft_tokens_follow_q(self):
+        # q = softmax(corrected logits / T) for sampled rows; the Gumbel-max
+        # draws follow it (slot 0's q depends on the context only, so it is
+        # the same in every draw; 5 sigma of a frequency over N draws).
+        n = 2000
+        for temps in ((0.0, 0.7, 1.0), (1.3, 0.7, 1.0)):
+            batch = self._make_batch(temperatures=temps)
+            counts = torch.zeros(3, self.engine.vocab_size, dtype=torch.float64)
+            generator = torch.Generator(self.device)
+            for seed in range(n):
+                generator.manual_seed(seed)
+                proposal = self.proposer.propose(
+                    batch=batch, window=self.worker.window(batch), generator=generator
+                )
+                first = proposal.draft_tokens[:, 0].cpu()
+                counts[torch.arange(3), first] += 1
+            q = proposal.draft_probs[:, 0].double().cpu()
+            for b, t in enumerate(temps):
+                with self.subTest(temperatures=temps, row=b):
+                    logits = proposal.draft_logits[b].double().cpu()
+                    if t == 0:
+                        self.assertEqual(counts[b].max().item(), n)  # argmax
+                        continue
+                    want = torch.softmax(logits / t, dim=-1)
+                    torch.testing.assert_close(
+                        proposal.draft_probs[b].double().cpu(),
+                        want,
+                        rtol=1e-4,
+                        atol=1e-6,
+                    )
+                    self.assertLess(q[b].max().item(), 0.97)  # a real draw
+                    tol = 5 * 0.5 / n**0.5
+                    self.assertLess((counts[b] / n - q[b]).abs().max().item(), tol)
+
     def test_scalar_none_on_ep1_int32_on_ep_gt1_tokens_identical(self):
         batch = self._make_batch()
         bs = batch.batch_size

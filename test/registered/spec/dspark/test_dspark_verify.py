@@ -6,11 +6,14 @@ import unittest
 import torch
 
 from sglang.srt.speculative.dspark_components.dspark_verify import (
+    VerifyBuffers,
     VerifyResult,
     greedy_verify,
     rejection_verify,
+    rejection_verify_into,
     verify,
 )
+from sglang.srt.utils.op_counter import OpCounter
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -187,6 +190,114 @@ class TestRejectionVerify(CustomTestCase):
         _, c = self._run(self.P, self.Q, seed=8, n=5_000)
         _assert_same(self, a, b)
         self.assertFalse(torch.equal(a.output_ids, c.output_ids))
+
+
+class TestRejectionVerifyInto(CustomTestCase):
+    """The worker's path for all-sampling batches: ``rejection_verify``'s
+    arithmetic and draws, into preallocated buffers."""
+
+    MAX_BS, GAMMA, VOCAB = 8, 4, 13
+
+    def setUp(self):
+        super().setUp()
+        self.buffers = VerifyBuffers(
+            max_batch_size=self.MAX_BS,
+            gamma=self.GAMMA,
+            device="cpu",
+            vocab_size=self.VOCAB,
+        )
+
+    def _case(self, bs, seed):
+        gen = torch.Generator().manual_seed(100 + seed)
+        target_logits = torch.randn(bs, self.GAMMA + 1, self.VOCAB, generator=gen)
+        draft_logits = target_logits[:, : self.GAMMA] + torch.randn(
+            bs, self.GAMMA, self.VOCAB, generator=gen
+        )
+        inv_t = 1 / torch.linspace(0.5, 1.7, bs).unsqueeze(1)  # [bs, 1]
+        q = torch.softmax(draft_logits * inv_t.unsqueeze(-1), dim=-1)
+        drafts = torch.stack(
+            [torch.multinomial(r, 1, generator=gen) for r in q.view(-1, self.VOCAB)]
+        ).view(bs, self.GAMMA)
+        return drafts, q, target_logits, inv_t
+
+    def _both(self, drafts, q, target_logits, inv_t, seed):
+        into = rejection_verify_into(
+            draft_tokens=drafts,
+            draft_probs=q,
+            target_logits=target_logits,
+            inv_temperatures=inv_t,
+            buffers=self.buffers,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        direct = rejection_verify(
+            draft_tokens=drafts,
+            draft_probs=q,
+            target_probs=torch.softmax(target_logits * inv_t.unsqueeze(-1), dim=-1),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        return into, direct
+
+    def test_equals_rejection_verify(self):
+        accepts = set()
+        for bs in (8, 3, 1, 8):  # views cut per size, buffers reused
+            for seed in range(4):
+                with self.subTest(bs=bs, seed=seed):
+                    into, direct = self._both(*self._case(bs, seed), seed=seed)
+                    _assert_same(self, into, direct)
+                    accepts.update(into.accept_lens.tolist())
+        self.assertGreater(len(accepts), 2)  # rejections at several positions
+
+    def test_no_residual_mass_falls_back_to_p(self):
+        # q = 2p is no distribution: every draft is judged against u * 2p(x)
+        # and max(p - q, 0) is 0 everywhere; the bonus comes from p.
+        drafts, _, target_logits, inv_t = self._case(8, 0)
+        p = torch.softmax(target_logits * inv_t.unsqueeze(-1), dim=-1)
+        q = 2 * p[:, : self.GAMMA]
+        into, direct = self._both(drafts, q, target_logits, inv_t, seed=5)
+        _assert_same(self, into, direct)
+        rejected = into.accept_lens < self.GAMMA
+        self.assertTrue(bool(rejected.any()))
+        at = into.accept_lens[rejected]
+        p_bonus = p[rejected].gather(1, at.view(-1, 1, 1).expand(-1, 1, self.VOCAB))
+        self.assertTrue(
+            bool(
+                (
+                    p_bonus.squeeze(1).gather(1, into.bonus_ids[rejected].unsqueeze(1))
+                    > 0
+                ).all()
+            )
+        )
+
+    def test_allocates_nothing(self):
+        case = self._case(8, 1)
+        self._both(*case, seed=1)  # views cut
+        with OpCounter() as c:
+            rejection_verify_into(
+                draft_tokens=case[0],
+                draft_probs=case[1],
+                target_logits=case[2],
+                inv_temperatures=case[3],
+                buffers=self.buffers,
+            )
+        self.assertEqual(c.allocs, 0)
+        self.assertGreater(c.ops, 10)
+
+    def test_bad_buffers(self):
+        drafts, q, target_logits, inv_t = self._case(8, 0)
+        args = dict(
+            draft_tokens=drafts,
+            draft_probs=q,
+            target_logits=target_logits,
+            inv_temperatures=inv_t,
+        )
+        no_vocab = VerifyBuffers(max_batch_size=8, gamma=self.GAMMA, device="cpu")
+        with self.assertRaisesRegex(ValueError, "vocab_size"):
+            rejection_verify_into(buffers=no_vocab, **args)
+        small = VerifyBuffers(
+            max_batch_size=4, gamma=self.GAMMA, device="cpu", vocab_size=self.VOCAB
+        )
+        with self.assertRaisesRegex(ValueError, "max_batch_size=4"):
+            rejection_verify_into(buffers=small, **args)
 
 
 class TestVerifyMixedTemperatures(CustomTestCase):

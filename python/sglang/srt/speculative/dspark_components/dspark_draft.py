@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
-from sglang.srt.layers.sampler import sample_tokens
+from sglang.srt.layers.sampler import exp1_noise_
 from sglang.srt.model_executor.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
@@ -59,9 +59,12 @@ class DraftProposal:
     """Views of the proposer's buffers: valid until the next ``propose``."""
 
     draft_tokens: torch.Tensor  # [bs, gamma] int64
-    # Markov-corrected logits, the draft distribution q; None when all greedy.
+    # Markov-corrected logits; None when all greedy.
     draft_logits: Optional[torch.Tensor]  # [bs, gamma, vocab]
     block_ids: torch.Tensor  # [bs, gamma]: anchor, then mask_token_id
+    # q = softmax(draft_logits / T), what verify judges the drafts by (rows
+    # of greedy requests hold softmax(draft_logits)); None when all greedy.
+    draft_probs: Optional[torch.Tensor] = None  # [bs, gamma, vocab]
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,12 @@ class _BlockViews:
     flat_logits: torch.Tensor  # [bs * gamma, vocab]
     correction: torch.Tensor  # [bs, vocab]
     hidden: torch.Tensor  # [bs, rank]
-    slots: Tuple[Tuple[torch.Tensor, torch.Tensor], ...]  # per k: [bs, vocab], [bs]
+    scaled: torch.Tensor  # [bs, gamma, vocab]: logits / T
+    gumbel: torch.Tensor  # [bs, gamma, vocab]: -log Exp(1), then + scaled
+    probs: torch.Tensor  # [bs, gamma, vocab]: softmax(scaled)
+    greedy: torch.Tensor  # [bs]: a slot's argmax, for mixed batches
+    # per k: logits, tokens, scaled, gumbel ([bs, vocab], [bs], ...)
+    slots: Tuple[Tuple[torch.Tensor, ...], ...]
 
 
 class DraftBlockProposer:
@@ -117,6 +125,11 @@ class DraftBlockProposer:
         rank = draft_model.markov_w1.weight.shape[1]
         self._markov_hidden = torch.zeros(max_batch_size, rank, device=device)
         self._markov_correction = torch.zeros(max_batch_size, vocab, device=device)
+        # Sampling requests: scaled logits, Gumbel noise and q, per block slot.
+        self._scaled = torch.zeros(shape + (vocab,), device=device)
+        self._gumbel = torch.zeros(shape + (vocab,), device=device)
+        self._draft_probs = torch.zeros(shape + (vocab,), device=device)
+        self._greedy = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         # Tabulate the Markov head now (small vocabularies), not in a step.
         draft_model.markov_table()
         # kv_lens = last block position + these ones: one broadcast add.
@@ -129,6 +142,7 @@ class DraftBlockProposer:
             block_ids, positions = self._block_ids[:bs], self._positions[:bs]
             out_cache_loc, kv_lens = self._out_cache_loc[:bs], self._kv_lens[:bs]
             tokens, logits = self._draft_tokens[:bs], self._draft_logits[:bs]
+            scaled, gumbel = self._scaled[:bs], self._gumbel[:bs]
             views = _BlockViews(
                 anchors=block_ids[:, 0],
                 positions=positions,
@@ -144,7 +158,14 @@ class DraftBlockProposer:
                 flat_logits=logits.view(bs * self.gamma, -1),
                 correction=self._markov_correction[:bs],
                 hidden=self._markov_hidden[:bs],
-                slots=tuple((logits[:, k], tokens[:, k]) for k in range(self.gamma)),
+                scaled=scaled,
+                gumbel=gumbel,
+                probs=self._draft_probs[:bs],
+                greedy=self._greedy[:bs],
+                slots=tuple(
+                    (logits[:, k], tokens[:, k], scaled[:, k], gumbel[:, k])
+                    for k in range(self.gamma)
+                ),
             )
             self._block_views[bs] = views
         return views
@@ -192,23 +213,34 @@ class DraftBlockProposer:
         if table is None:
             w1 = self.draft_model.markov_w1.weight  # [vocab, rank]
             w2_t = self.draft_model.markov_w2.weight.t()  # [rank, vocab]
+        info = batch.sampling_info
+        if info is not None:
+            # Gumbel-max: argmax(logits / T + G), G = -log E with E ~ Exp(1),
+            # is a draw from softmax(logits / T); one draw for the whole block.
+            exp1_noise_(v.gumbel, generator).log_().neg_()
         prev = batch.last_ids
         # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)]), left to right.
-        for logits_k, tokens_k in v.slots:  # [bs, vocab], [bs]
+        for logits_k, tokens_k, scaled_k, gumbel_k in v.slots:  # [bs, vocab], [bs]
             if table is not None:
                 torch.index_select(table, 0, prev, out=v.correction)
             else:
                 torch.index_select(w1, 0, prev, out=v.hidden)
                 torch.mm(v.hidden, w2_t, out=v.correction)
-            sample_tokens(
-                logits=logits_k.add_(v.correction),
-                temperatures=batch.temperatures,
-                generator=generator,
-                out=tokens_k,
-            )
+            logits_k.add_(v.correction)
+            if info is None:
+                torch.argmax(logits_k, dim=-1, out=tokens_k)
+            else:
+                torch.mul(logits_k, info.inv_temperatures, out=scaled_k)
+                torch.argmax(gumbel_k.add_(scaled_k), dim=-1, out=tokens_k)
+                if not info.all_sampled:  # greedy rows take the argmax
+                    torch.argmax(logits_k, dim=-1, out=v.greedy)
+                    torch.where(info.is_sampled, tokens_k, v.greedy, out=tokens_k)
             prev = tokens_k
+        if info is not None:
+            torch._softmax(v.scaled, -1, False, out=v.probs)  # q, one op
         return DraftProposal(
             draft_tokens=v.tokens,
-            draft_logits=v.logits if batch.temperatures is not None else None,
+            draft_logits=None if info is None else v.logits,
+            draft_probs=None if info is None else v.probs,
             block_ids=v.block_ids,
         )

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 
 import torch
 
-from sglang.srt.layers.sampler import temperature_probs
+from sglang.srt.layers.sampler import exp1_noise_, temperature_probs
 
 
 @dataclass(frozen=True)
@@ -22,14 +22,22 @@ class VerifyResult:
 
 
 class VerifyBuffers:
-    """Greedy verify's per-step tensors, allocated once at the largest batch.
+    """Verify's per-step tensors, allocated once at the largest batch: greedy
+    verify's, and with ``vocab_size`` rejection sampling's.
 
     A result computed into them is a set of views, valid until the next verify
     that uses the same buffers.
     """
 
-    def __init__(self, *, max_batch_size: int, gamma: int, device) -> None:
-        self.max_batch_size = max_batch_size
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        gamma: int,
+        device,
+        vocab_size: Optional[int] = None,
+    ) -> None:
+        self.max_batch_size, self.vocab_size = max_batch_size, vocab_size
         rows, dev = (max_batch_size, gamma + 1), device
         self.target = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.matched = torch.zeros(
@@ -40,6 +48,21 @@ class VerifyBuffers:
         self.bonus_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self.output_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
         self._views: Dict[int, _VerifyViews] = {}
+        self._sampling_views: Dict[int, _SamplingViews] = {}
+        if vocab_size is not None:
+            full, one = rows + (vocab_size,), (max_batch_size, 1, vocab_size)
+            self.p = torch.zeros(full, device=dev)
+            self.residual = torch.zeros(full, device=dev)  # also scaled logits
+            self.q_tok = torch.zeros(max_batch_size, gamma, device=dev)
+            self.p_tok = torch.zeros(max_batch_size, gamma, device=dev)
+            self.u = torch.zeros(max_batch_size, gamma, device=dev)
+            self.row = torch.zeros(one, device=dev)
+            self.fallback = torch.zeros(one, device=dev)
+            self.noise = torch.zeros(one, device=dev)
+            self.mass = torch.zeros(max_batch_size, 1, 1, device=dev)
+            self.has_mass = torch.zeros(
+                max_batch_size, 1, 1, dtype=torch.bool, device=dev
+            )
 
     def cut(self, bs: int) -> "_VerifyViews":
         """The buffers cut to ``bs`` rows, made once per batch size."""
@@ -62,6 +85,59 @@ class VerifyBuffers:
             )
             self._views[bs] = views
         return views
+
+    def cut_sampling(self, bs: int) -> "_SamplingViews":
+        """Rejection sampling's buffers cut to ``bs`` rows, made once per size."""
+        if self.vocab_size is None:
+            raise ValueError("rejection sampling into buffers needs vocab_size")
+        views = self._sampling_views.get(bs)
+        if views is None:
+            gamma, vocab = self.u.shape[1], self.vocab_size
+            p, residual = self.p[:bs], self.residual[:bs]
+            views = _SamplingViews(
+                p=p,
+                p_drafts=p[:, :gamma],
+                p_last=p[:, gamma],
+                residual=residual,
+                residual_drafts=residual[:, :gamma],
+                residual_last=residual[:, gamma],
+                q_tok=self.q_tok[:bs],
+                p_tok=self.p_tok[:bs],
+                q_tok_col=self.q_tok[:bs].unsqueeze(-1),
+                p_tok_col=self.p_tok[:bs].unsqueeze(-1),
+                u=self.u[:bs],
+                row=self.row[:bs],
+                fallback=self.fallback[:bs],
+                noise=self.noise[:bs],
+                mass=self.mass[:bs],
+                has_mass=self.has_mass[:bs],
+                at=self.accept_lens[:bs].view(bs, 1, 1).expand(bs, 1, vocab),
+                bonus=self.bonus_ids[:bs].view(bs, 1, 1),
+            )
+            self._sampling_views[bs] = views
+        return views
+
+
+@dataclass(frozen=True)
+class _SamplingViews:
+    p: torch.Tensor  # [bs, gamma + 1, vocab]: the target's probabilities
+    p_drafts: torch.Tensor  # [bs, gamma, vocab]
+    p_last: torch.Tensor  # [bs, vocab]
+    residual: torch.Tensor  # [bs, gamma + 1, vocab]
+    residual_drafts: torch.Tensor  # [bs, gamma, vocab]
+    residual_last: torch.Tensor  # [bs, vocab]
+    q_tok: torch.Tensor  # [bs, gamma]: q of each draft
+    p_tok: torch.Tensor  # [bs, gamma]: p of each draft
+    q_tok_col: torch.Tensor  # [bs, gamma, 1]: the same two, as gather outputs
+    p_tok_col: torch.Tensor  # [bs, gamma, 1]
+    u: torch.Tensor  # [bs, gamma]
+    row: torch.Tensor  # [bs, 1, vocab]: the bonus distribution (unnormalized)
+    fallback: torch.Tensor  # [bs, 1, vocab]
+    noise: torch.Tensor  # [bs, 1, vocab]
+    mass: torch.Tensor  # [bs, 1, 1]
+    has_mass: torch.Tensor  # [bs, 1, 1] bool
+    at: torch.Tensor  # [bs, 1, vocab]: accept_lens, expanded
+    bonus: torch.Tensor  # [bs, 1, 1]: bonus_ids
 
 
 @dataclass(frozen=True)
@@ -155,9 +231,55 @@ def rejection_verify(
     fallback = target_probs.gather(1, at).squeeze(1)
     # p == q leaves no residual mass; then rejection cannot happen, keep p.
     row = torch.where(row.sum(-1, keepdim=True) > 0, row, fallback)
-    noise = torch.empty_like(row).exponential_(generator=generator)
-    bonus = (row / row.sum(-1, keepdim=True) / noise).argmax(dim=-1)
+    # argmax(row / Exp(1)) draws from row / row.sum(): no need to normalize.
+    noise = exp1_noise_(torch.empty_like(row), generator)
+    bonus = (row / noise).argmax(dim=-1)
     return _result(draft_tokens, accept_lens, bonus)
+
+
+def rejection_verify_into(
+    *,
+    draft_tokens: torch.Tensor,  # [bs, gamma]
+    draft_probs: torch.Tensor,  # [bs, gamma, vocab], q
+    target_logits: torch.Tensor,  # [bs, gamma + 1, vocab]
+    inv_temperatures: torch.Tensor,  # [bs, 1]
+    buffers: VerifyBuffers,
+    generator: Optional[torch.Generator] = None,
+) -> VerifyResult:
+    """``rejection_verify`` with p = softmax(target_logits * inv_temperatures),
+    the same arithmetic and random draws, into ``buffers``: no new tensors.
+    For batches whose every row samples."""
+    bs, gamma = draft_tokens.shape
+    if bs > buffers.max_batch_size:
+        raise ValueError(
+            f"batch of {bs} exceeds the verify buffers' max_batch_size="
+            f"{buffers.max_batch_size}"
+        )
+    v, s = buffers.cut(bs), buffers.cut_sampling(bs)
+    torch.mul(target_logits, inv_temperatures.unsqueeze(-1), out=s.residual)
+    torch._softmax(s.residual, -1, False, out=s.p)
+    idx = draft_tokens.unsqueeze(-1)
+    torch.gather(draft_probs, 2, idx, out=s.q_tok_col)
+    torch.gather(s.p_drafts, 2, idx, out=s.p_tok_col)
+    s.u.uniform_(generator=generator).mul_(s.q_tok)  # the draws of torch.rand
+    torch.lt(s.u, s.p_tok, out=v.matched)
+    torch.cumprod(v.matched, dim=1, dtype=torch.int64, out=v.run)
+    torch.sum(v.run, dim=1, out=v.accept_lens)
+    torch.sub(s.p_drafts, draft_probs, out=s.residual_drafts).clamp_min_(0)
+    s.residual_last.copy_(s.p_last)
+    torch.gather(s.residual, 1, s.at, out=s.row)
+    torch.gather(s.p, 1, s.at, out=s.fallback)
+    torch.sum(s.row, -1, keepdim=True, out=s.mass)
+    torch.gt(s.mass, 0, out=s.has_mass)
+    torch.where(s.has_mass, s.row, s.fallback, out=s.row)
+    s.row.div_(exp1_noise_(s.noise, generator))
+    torch.argmax(s.row, dim=-1, keepdim=True, out=s.bonus)
+    v.output_drafts.copy_(draft_tokens)
+    v.output_spare.copy_(draft_tokens[:, 0])
+    v.output_ids.scatter_(1, v.accept_col, v.bonus_col)
+    return VerifyResult(
+        accept_lens=v.accept_lens, bonus_ids=v.bonus, output_ids=v.output_ids
+    )
 
 
 def verify(
@@ -168,23 +290,28 @@ def verify(
     temperatures: Optional[torch.Tensor],  # [bs]; None = all greedy
     generator: Optional[torch.Generator] = None,
     buffers: Optional[VerifyBuffers] = None,
+    draft_probs: Optional[torch.Tensor] = None,  # q, when already computed
 ) -> VerifyResult:
-    """Greedy rows (temperature 0) match prefixes; the others rejection-sample.
+    """Greedy rows (temperature 0) match prefixes; the others rejection-sample
+    against q (``draft_probs``, or softmax(draft_logits / T)).
 
-    An all-greedy batch verified into ``buffers`` allocates nothing.
+    An all-greedy batch verified into ``buffers`` allocates nothing (for an
+    all-sampling batch, see ``rejection_verify_into``).
     """
     greedy = greedy_verify(
         draft_tokens=draft_tokens, target_logits=target_logits, buffers=buffers
     )
     if temperatures is None:
         return greedy
-    if draft_logits is None:
+    if draft_logits is None and draft_probs is None:
         raise ValueError("sampling requests need the draft logits (q)")
     t = temperatures.unsqueeze(1)  # [bs, 1]
-    # Greedy rows take the greedy result below: their probs need no one-hot.
+    if draft_probs is None:
+        # Greedy rows take the greedy result below: no one-hot needed.
+        draft_probs = temperature_probs(draft_logits, t, greedy_one_hot=False)
     sampled = rejection_verify(
         draft_tokens=draft_tokens,
-        draft_probs=temperature_probs(draft_logits, t, greedy_one_hot=False),
+        draft_probs=draft_probs,
         target_probs=temperature_probs(target_logits, t, greedy_one_hot=False),
         generator=generator,
     )

@@ -25,7 +25,11 @@ from sglang.srt.speculative.dspark_components.dspark_planner import (
     VerifyWindow,
     VerifyWindowPlanner,
 )
-from sglang.srt.speculative.dspark_components.dspark_verify import VerifyBuffers, verify
+from sglang.srt.speculative.dspark_components.dspark_verify import (
+    VerifyBuffers,
+    rejection_verify_into,
+    verify,
+)
 
 
 class DSparkWorker:
@@ -76,7 +80,10 @@ class DSparkWorker:
         self._verify_ids = torch.zeros(shape, dtype=torch.int64, device=dev)
         self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=dev)
         self.verify_buffers = VerifyBuffers(
-            max_batch_size=max_batch_size, gamma=self.gamma, device=dev
+            max_batch_size=max_batch_size,
+            gamma=self.gamma,
+            device=dev,
+            vocab_size=draft_model.lm_head.weight.shape[0],
         )
         # On a GPU, one host read per step and no allocation: accept lengths
         # and output ids are packed into one device buffer and copied into
@@ -158,14 +165,27 @@ class DSparkWorker:
             num_token_non_padded_buffer=self._num_token_non_padded,
         )
         out = self.target_worker.model_runner.forward(forward_batch)
-        result = verify(
-            draft_tokens=proposal.draft_tokens,
-            draft_logits=proposal.draft_logits,
-            target_logits=out.logits.view(bs, gamma + 1, -1),
-            temperatures=batch.temperatures,
-            generator=self.generator,
-            buffers=self.verify_buffers,
-        )
+        target_logits = out.logits.view(bs, gamma + 1, -1)
+        info = batch.sampling_info
+        if info is not None and info.all_sampled:  # no allocation, as greedy
+            result = rejection_verify_into(
+                draft_tokens=proposal.draft_tokens,
+                draft_probs=proposal.draft_probs,
+                target_logits=target_logits,
+                inv_temperatures=info.inv_temperatures,
+                buffers=self.verify_buffers,
+                generator=self.generator,
+            )
+        else:  # all greedy (into the buffers), or mixed
+            result = verify(
+                draft_tokens=proposal.draft_tokens,
+                draft_logits=proposal.draft_logits,
+                draft_probs=proposal.draft_probs,
+                target_logits=target_logits,
+                temperatures=batch.temperatures,
+                generator=self.generator,
+                buffers=self.verify_buffers,
+            )
         # Commit every row: rows past the accepted ones are overwritten next step.
         self._commit_to_draft(out.aux_hidden_states, forward_batch)
         batch.seq_lens.add_(result.accept_lens).add_(1)  # committed = accepted + 1
