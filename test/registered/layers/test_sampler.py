@@ -2,6 +2,7 @@
 Exp(1) noise); temperature_probs with and without the greedy one-hot;
 SamplingBatchInfo derived once per batch; Exp(1) noise is never 0."""
 
+import math
 import unittest
 import unittest.mock
 
@@ -36,9 +37,7 @@ class TestSampleTokens(CustomTestCase):
         )
         # The reference: the one-hot probs, the same noise stream.
         probs = temperature_probs(logits, temperatures)
-        noise = torch.empty_like(probs).exponential_(
-            generator=torch.Generator().manual_seed(4)
-        )
+        noise = exp1_noise_(torch.empty_like(probs), torch.Generator().manual_seed(4))
         self.assertEqual(tokens.tolist(), (probs / noise).argmax(-1).tolist())
         greedy = temperatures == 0
         self.assertEqual(tokens[greedy].tolist(), logits[greedy].argmax(-1).tolist())
@@ -116,15 +115,23 @@ class TestExp1Noise(CustomTestCase):
         self.assertIs(exp1_noise_(out, gen), out)
         self.assertGreater(out.min().item(), 0.0)
         self.assertAlmostEqual(out.mean().item(), 1.0, delta=0.015)  # 5 sigma
+        # Exp(1): P(E > 1) = 1/e, P(E > 3) = e^-3 (5 sigma of a frequency)
+        for x in (1.0, 3.0):
+            frac = (out > x).double().mean().item()
+            self.assertAlmostEqual(frac, math.exp(-x), delta=5 * 0.5 / 200_000**0.5)
 
-    def test_zero_draw_is_clamped(self):
-        # A zero from exponential_ would make probs / noise infinite.
-        out = torch.zeros(4)
+    def test_extreme_uniform_draws_stay_finite_and_positive(self):
+        # U = 0 would give an infinite noise; U < 1 always, so never 0.
+        out = torch.zeros(3)
+        edges = torch.tensor([0.0, 0.5, 1 - 2**-24])
         with unittest.mock.patch.object(
-            torch.Tensor, "exponential_", lambda t, **k: t.zero_()
+            torch.Tensor, "uniform_", lambda t, **k: t.copy_(edges)
         ):
             exp1_noise_(out)
-        self.assertTrue(bool((out == torch.finfo(torch.float32).tiny).all()))
+        tiny = torch.finfo(torch.float32).tiny
+        want = -torch.tensor([tiny, 0.5, 1 - 2**-24]).log()
+        self.assertTrue(torch.equal(out, want))
+        self.assertTrue(bool(torch.isfinite(out).all() and (out > 0).all()))
 
 
 if __name__ == "__main__":
