@@ -5,7 +5,12 @@
 For each temperature (default: 0 and 1) and batch size both engines decode
 the same prompts in ``--repeats`` rounds: held-out stdlib source by default
 (``--prompts stdlib``: the trained pair's held-out files), or random ids
-(``--prompts random``). Within a round the engines advance in lockstep, one
+(``--prompts random``). The batch size is the number of requests decoding
+at once: a round submits ``--num-prompts`` prompts (default 4 x the batch
+size) and the scheduler admits the next one as soon as a running request
+finishes, as a server does (``--num-prompts`` equal to the batch size is
+one static batch, whose last steps run part-empty under speculation:
+requests finish at different steps). Within a round the engines advance in lockstep, one
 decode step of each in turn (who goes first alternates), so the two step
 times of a pair saw the same machine load. Printed per temperature and
 batch size: each engine's decode
@@ -160,6 +165,10 @@ def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
     }
 
 
+def _num_prompts(args: argparse.Namespace, bs: int) -> int:
+    return 4 * bs if args.num_prompts is None else args.num_prompts
+
+
 def run(args: argparse.Namespace) -> List[Dict]:
     rng = random.Random(args.seed)
     common = dict(
@@ -183,26 +192,28 @@ def run(args: argparse.Namespace) -> List[Dict]:
     rows = []
     for temperature, bs in itertools.product(args.temperature, args.batch_size):
         params = {"max_new_tokens": args.output_len, "temperature": temperature}
+        num = _num_prompts(args, bs)
         if heldout is not None:
             prompts = sample_prompts(
-                heldout, num=bs, length=args.input_len, seed=args.seed * 1000 + bs
+                heldout, num=num, length=args.input_len, seed=args.seed * 1000 + bs
             )
         else:
             prompts = make_prompts(
                 rng=rng,
                 vocab_size=plain.vocab_size,
-                batch_size=bs,
+                batch_size=num,
                 input_len=args.input_len,
             )
-        for engine in engines.values():  # warm up
-            engine.generate(
-                input_ids=prompts, sampling_params=dict(params, max_new_tokens=4)
+        for engine in engines.values():
+            engine.scheduler.max_running_requests = bs  # requests decoding at once
+            engine.generate(  # warm up
+                input_ids=prompts[:bs], sampling_params=dict(params, max_new_tokens=4)
             )
         outputs = {name: [] for name in ENGINES}
         times = {name: [] for name in ENGINES}
         all_reqs = {name: [] for name in ENGINES}
         pairs: List[Tuple[float, float]] = []
-        total = args.repeats * len(ENGINES) * bs * args.output_len
+        total = args.repeats * len(ENGINES) * num * args.output_len
         with tqdm(
             total=total, desc=f"bs={bs}", unit="tok", leave=False, file=sys.stderr
         ) as bar:
@@ -217,6 +228,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
                     all_reqs[name] += reqs[name]
         row = {
             "batch_size": bs,
+            "num_prompts": num,
             "input_len": args.input_len,
             "output_len": args.output_len,
             "temperature": temperature,
@@ -250,7 +262,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
         )
         if args.count_ops:
             for name, engine in engines.items():
-                for key, value in _count_ops(engine, prompts, params).items():
+                for key, value in _count_ops(engine, prompts[:bs], params).items():
                     row[f"{name}_{key}"] = value
         rows.append(row)
         print(_format(row), flush=True)
@@ -287,7 +299,21 @@ def _fmt(value) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="requests decoding at once (the engines' running cap)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="prompts per round and batch size, admitted as running requests "
+        "finish; default 4 x the batch size; the batch size itself is one "
+        "static batch",
+    )
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument(
@@ -336,6 +362,11 @@ def main(argv=None) -> int:
         p.error("--repeats must be >= 1")
     if min(args.batch_size) < 1:
         p.error("--batch-size values must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < max(args.batch_size):
+        p.error(
+            f"--num-prompts {args.num_prompts} is below --batch-size "
+            f"{max(args.batch_size)}: the batch would never fill"
+        )
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):

@@ -12,7 +12,7 @@ from unittest import mock
 
 from sglang import bench_one_batch
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
 register_cpu_ci(est_time=12, suite="base-a-test-cpu")
 
@@ -38,6 +38,7 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertEqual(rc, 0)
         self.assertEqual([r["batch_size"] for r in rows], [1, 3])
         for r in rows:
+            self.assertEqual(r["num_prompts"], 4 * r["batch_size"])  # the default
             self.assertTrue(r["greedy_output_equal"])
             self.assertEqual(r["gamma"], 5)
             self.assertEqual(r["repeats"], 2)
@@ -49,9 +50,9 @@ class TestBenchOneBatch(CustomTestCase):
                 self.assertGreater(r[f"{name}_ops_per_step"], 20)
                 self.assertGreater(r[f"{name}_allocs_per_step"], 0)
                 self.assertLess(r[f"{name}_allocs_per_step"], r[f"{name}_ops_per_step"])
-            # Plain decoding: 8 decode steps per round (the first token is
-            # prefill's); DSpark needs at most as many.
-            self.assertEqual(r["plain_decode_steps"], 2 * 8)
+            # Plain decoding: 4 waves of the batch, 8 decode steps each, per
+            # round (the first token is prefill's); DSpark needs at most as many.
+            self.assertEqual(r["plain_decode_steps"], 2 * 4 * 8)
             self.assertLessEqual(r["dspark_decode_steps"], r["plain_decode_steps"])
             self.assertEqual(r["step_pairs"], r["dspark_decode_steps"])
             lo, hi = r["step_cost_ratio_ci95"]
@@ -104,6 +105,44 @@ class TestBenchOneBatch(CustomTestCase):
             trained["dspark_ops_per_step"], trained["plain_ops_per_step"]
         )
 
+    def test_batch_size_caps_running_requests(self):
+        # 5 prompts, 2 decoding at once: plain runs waves of 2, 2 and 1; DSpark
+        # admits a prompt whenever one finishes. --num-prompts equal to the
+        # batch size is one static batch.
+        sizes, real = {}, bench_one_batch.Engine
+        with contextlib.ExitStack() as stack:
+
+            def make(**kwargs):
+                engine = real(**kwargs)
+                name = "dspark" if kwargs["speculative_algorithm"] else "plain"
+                sizes[name] = stack.enter_context(record_decode_batch_sizes(engine))
+                return engine
+
+            with mock.patch.object(bench_one_batch, "Engine", make):
+                for num in (5, 2):
+                    with tempfile.TemporaryDirectory() as d:
+                        path = os.path.join(d, "bench.json")
+                        rc, _ = _main(
+                            ["--batch-size", "2", "--num-prompts", str(num)]
+                            + ["--input-len", "4", "--output-len", "6"]
+                            + ["--repeats", "1", "--temperature", "0"]
+                            + ["--json", path]
+                        )
+                        with open(path) as f:
+                            (row,) = json.load(f)
+                    self.assertEqual(rc, 0)
+                    self.assertEqual(row["num_prompts"], num)
+                    self.assertTrue(row["greedy_output_equal"])
+                    warmup = [2] * 3  # 4 tokens: prefill's, then 3 decode steps
+                    waves = [[2] * 5, [2] * 5, [1] * 5] if num == 5 else [[2] * 5]
+                    self.assertEqual(sizes["plain"], warmup + sum(waves, []))
+                    self.assertEqual(row["plain_decode_steps"], 5 * len(waves))
+                    self.assertEqual(max(sizes["dspark"]), 2)
+                    # Every prompt's 5 decoded tokens came from these steps.
+                    self.assertLessEqual(len(sizes["dspark"]) - 3, 5 * len(waves))
+                    sizes["plain"].clear()
+                    sizes["dspark"].clear()
+
     def test_sampling_reports_no_equality(self):
         rc, text = _main(
             ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
@@ -119,6 +158,7 @@ class TestBenchOneBatch(CustomTestCase):
             ["--batch-size", "0"],
             ["--input-len", "0"],
             ["--repeats", "0"],
+            ["--batch-size", "1", "8", "--num-prompts", "4"],
         ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):
