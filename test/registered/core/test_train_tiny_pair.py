@@ -1,6 +1,8 @@
 """``python -m sglang.train_tiny_pair``: the training forwards compute what
-inference computes; a tiny run end to end writes loadable checkpoints, and a
-resumed run (by phase, or mid-phase from a snapshot) writes the same bytes."""
+inference computes; the distillation loss counts what verify accepts; the
+joint target steps send the draft's gradient only through what the draft
+reads; a tiny run end to end writes loadable checkpoints, and a resumed run
+(by phase, or mid-phase from a snapshot) writes the same bytes."""
 
 import contextlib
 import io
@@ -13,10 +15,20 @@ import torch
 
 from sglang import Engine
 from sglang.srt.model_loader.loader import WEIGHTS_NAME
+from sglang.srt.models.registry import init_random_weights
+from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
-from sglang.train_tiny_pair.train import DRAFT_NAME, TARGET_NAME, main
+from sglang.train_tiny_pair.train import (
+    DRAFT_NAME,
+    TARGET_NAME,
+    TrainConfig,
+    block_distill_loss,
+    main,
+    new_draft,
+    target_loss,
+)
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
@@ -77,6 +89,68 @@ class TestTrainingForwardMatchesEngine(CustomTestCase):
                     gamma=gamma,
                 )
                 torch.testing.assert_close(q[0, 0], logits[0], atol=1e-4, rtol=1e-4)
+
+
+class TestDistillLoss(CustomTestCase):
+    def setUp(self):
+        super().setUp()
+        g = torch.Generator().manual_seed(0)
+        self.q = torch.randn(2, 3, 4, 7, generator=g)  # [B, A, gamma, vocab]
+        self.p = torch.softmax(torch.randn(2, 3, 4, 7, generator=g), dim=-1)
+        self.ce = -(self.p * torch.log_softmax(self.q, dim=-1)).sum(-1)  # [B, A, gamma]
+
+    def test_slot_weights(self):
+        loss = block_distill_loss(self.q, self.p, slot_decay=1.0, accept_weight=0.0)
+        torch.testing.assert_close(loss, self.ce.mean())
+        # decay 0.5 over 4 slots: weights 1, 1/2, 1/4, 1/8 normalized to mean 1
+        w = torch.tensor([8.0, 4.0, 2.0, 1.0]) / 15 * 4
+        loss = block_distill_loss(self.q, self.p, slot_decay=0.5, accept_weight=0.0)
+        torch.testing.assert_close(loss, (self.ce * w).mean())
+
+    def test_accept_term_is_expected_accepted_drafts(self):
+        # Two slots over two tokens: acceptance sum min(p, q) = 0.8, then 0.6;
+        # a block accepts 0.8 + 0.8 * 0.6 = 1.28 drafts on average.
+        p = torch.tensor([[[[0.6, 0.4], [0.5, 0.5]]]])
+        q = torch.tensor([[[[0.8, 0.2], [0.9, 0.1]]]]).log()
+        with_term = block_distill_loss(q, p, slot_decay=0.5, accept_weight=2.0)
+        without = block_distill_loss(q, p, slot_decay=0.5, accept_weight=0.0)
+        torch.testing.assert_close(without - with_term, torch.tensor(2 * 1.28))
+        # A draft equal to the target accepts every slot.
+        exact = block_distill_loss(
+            self.p.log(), self.p, slot_decay=1.0, accept_weight=1.0
+        )
+        entropy = -(self.p * self.p.log()).sum(-1).mean()
+        torch.testing.assert_close(exact, entropy - 4)
+
+
+class TestJointTargetLoss(CustomTestCase):
+    def test_draft_gradient_reaches_only_what_the_draft_reads(self):
+        cfg = TrainConfig()
+        model = TinyMoEForCausalLM(TinyMoEConfig())
+        init_random_weights(model, 0)
+        draft = new_draft(cfg, model)
+        g = torch.Generator().manual_seed(1)
+        window = torch.randint(0, 255, (2, 41), generator=g)
+        anchors = torch.tensor([8, 17, 30])
+
+        def grads(**draft_args):
+            model.zero_grad(set_to_none=True)
+            draft.zero_grad(set_to_none=True)
+            target_loss(model, window, cfg=cfg, **draft_args).backward()
+            return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        lm, joint = grads(), grads(draft=draft, anchors=anchors)
+        self.assertIsNotNone(draft.fc.weight.grad)
+        deepest = max(draft.config.target_layer_ids)
+        for name in lm:
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+            with self.subTest(param=name):
+                if name.startswith("norm.") or (layer is not None and layer > deepest):
+                    # Past the layers the draft reads: the target's probabilities
+                    # are detached, so only the LM loss reaches these.
+                    torch.testing.assert_close(joint[name], lm[name])
+                else:  # the layers it reads, and the shared embedding / LM head
+                    self.assertFalse(torch.allclose(joint[name], lm[name]))
 
 
 def _run(*args: str) -> str:

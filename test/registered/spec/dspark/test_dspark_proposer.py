@@ -123,6 +123,9 @@ class TestDraftBlockProposer(CustomTestCase):
                 first = proposal.draft_tokens[:, 0].cpu()
                 counts[torch.arange(3), first] += 1
             q = proposal.draft_probs[:, 0].double().cpu()
+            # Some sampled row is a real draw, not a near-certain token.
+            sampled = [b for b, t in enumerate(temps) if t > 0]
+            self.assertLess(min(q[b].max().item() for b in sampled), 0.9)
             for b, t in enumerate(temps):
                 with self.subTest(temperatures=temps, row=b):
                     logits = proposal.draft_logits[b].double().cpu()
@@ -136,7 +139,6 @@ class TestDraftBlockProposer(CustomTestCase):
                         rtol=1e-4,
                         atol=1e-6,
                     )
-                    self.assertLess(q[b].max().item(), 0.97)  # a real draw
                     tol = 5 * 0.5 / n**0.5
                     self.assertLess((counts[b] / n - q[b]).abs().max().item(), tol)
 
