@@ -60,8 +60,20 @@ class TestBenchOneBatch(CustomTestCase):
             self.assertLess(r["step_cost_ratio"], hi)
             # DSpark also runs the draft and verifies gamma + 1 rows.
             self.assertGreater(r["dspark_ops_per_step"], r["plain_ops_per_step"])
+            # Speedup: tokens per step (exact counts) over the paired cost.
+            tokens = r["num_prompts"] * r["repeats"] * 8  # decode tokens per engine
+            gain = (tokens / r["dspark_decode_steps"]) / (
+                tokens / r["plain_decode_steps"]
+            )
+            self.assertAlmostEqual(r["tokens_per_step_ratio"], gain)
+            self.assertAlmostEqual(r["speedup"], gain / r["step_cost_ratio"])
+            s_lo, s_hi = r["speedup_ci95"]
+            self.assertAlmostEqual(s_lo, gain / hi)
+            self.assertLess(s_lo, r["speedup"])
+            self.assertLess(r["speedup"], s_hi)
             self.assertAlmostEqual(
-                r["speedup"], r["dspark_tokens_per_s"] / r["plain_tokens_per_s"]
+                r["tokens_per_s_ratio"],
+                r["dspark_tokens_per_s"] / r["plain_tokens_per_s"],
             )
             self.assertGreaterEqual(r["accept_length"], 1.0)
             self.assertLessEqual(r["accept_length"], 6.0)
