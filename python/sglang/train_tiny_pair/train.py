@@ -1,6 +1,6 @@
 """Train the embedded target, then distill its DSpark draft; write both.
 
-    python -m sglang.train_tiny_pair            # the shipped pair (~17 min, 1 core)
+    python -m sglang.train_tiny_pair            # the shipped pair (~15 min, 1 core)
     python -m sglang.train_tiny_pair --tiny --output-dir /tmp/pair   # seconds
 
 Phases, each resumable (a finished phase's output in ``--work-dir`` is
