@@ -165,26 +165,23 @@ class DSparkWorker:
             num_token_non_padded_buffer=self._num_token_non_padded,
         )
         out = self.target_worker.model_runner.forward(forward_batch)
-        target_logits = out.logits.view(bs, gamma + 1, -1)
         info = batch.sampling_info
+        args = dict(
+            draft_tokens=proposal.draft_tokens,
+            draft_probs=proposal.draft_probs,
+            target_logits=out.logits.view(bs, gamma + 1, -1),
+            buffers=self.verify_buffers,
+            generator=self.generator,
+        )
         if info is not None and info.all_sampled:  # no allocation, as greedy
             result = rejection_verify_into(
-                draft_tokens=proposal.draft_tokens,
-                draft_probs=proposal.draft_probs,
-                target_logits=target_logits,
-                inv_temperatures=info.inv_temperatures,
-                buffers=self.verify_buffers,
-                generator=self.generator,
+                inv_temperatures=info.inv_temperatures, **args
             )
         else:  # all greedy (into the buffers), or mixed
             result = verify(
-                draft_tokens=proposal.draft_tokens,
                 draft_logits=proposal.draft_logits,
-                draft_probs=proposal.draft_probs,
-                target_logits=target_logits,
                 temperatures=batch.temperatures,
-                generator=self.generator,
-                buffers=self.verify_buffers,
+                **args,
             )
         # Commit every row: rows past the accepted ones are overwritten next step.
         self._commit_to_draft(out.aux_hidden_states, forward_batch)
