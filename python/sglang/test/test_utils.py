@@ -72,3 +72,14 @@ def spawn_ranks(rank_main, *, world_size: int = 2) -> List[dict]:
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
                 results.append(json.load(f))
     return results
+
+
+def expert_groups(module, xs: torch.Tensor, offs: torch.Tensor):
+    """The (local expert, its input rows) of a grouped call; rows of the zero
+    expert (masked pairs, other ranks') reach no expert."""
+    ends = offs.tolist()[: module.num_local]
+    return [
+        (e, xs[start:end])
+        for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))
+        if end > start
+    ]

@@ -13,7 +13,7 @@ from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.layers.moe.topk import TopKOutput, select_experts
 from sglang.srt.models.registry import init_random_weights
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, expert_groups
 
 register_cpu_ci(est_time=3, suite="base-a-test-cpu")
 register_cuda_ci(est_time=10, stage="base-b", runner_config="1-gpu-large")
@@ -112,17 +112,20 @@ class TestSelectExperts(CustomTestCase):
 
 
 class _ExpertSpy:
-    """Records what reaches an expert: the input rows of every grouped
-    EPMoE._expert call, and every dense forward's routing weights."""
+    """Records what reaches an expert: the input rows of each expert in every
+    grouped EPMoE._experts_grouped call, and every dense forward's routing
+    weights."""
 
     def __init__(self):
         self.calls = []  # (expert id, rows [r, H])
         self.routing = []  # [T, E_local] weights of each dense forward
-        self._expert, self._routing = EPMoE._expert, EPMoE._routing_weights
+        self._grouped, self._routing = EPMoE._experts_grouped, EPMoE._routing_weights
 
-    def expert(self, module, e, x):
-        self.calls.append((e, x.detach().clone()))
-        return self._expert(module, e, x)
+    def experts_grouped(self, module, xs, offs):
+        self.calls += [
+            (e, x.detach().clone()) for e, x in expert_groups(module, xs, offs)
+        ]
+        return self._grouped(module, xs, offs)
 
     def routing_weights(self, module, topk, *, masked):
         weights = self._routing(module, topk, masked=masked)
@@ -168,14 +171,14 @@ class TestEPMoE(CustomTestCase):
         spy = _ExpertSpy()
 
         # Plain functions, so they bind as methods like the real ones.
-        def expert(module, e, x):
-            return spy.expert(module, e, x)
+        def experts_grouped(module, xs, offs):
+            return spy.experts_grouped(module, xs, offs)
 
         def routing_weights(module, topk, *, masked):
             return spy.routing_weights(module, topk, masked=masked)
 
         with (
-            mock.patch.object(EPMoE, "_expert", expert),
+            mock.patch.object(EPMoE, "_experts_grouped", experts_grouped),
             mock.patch.object(EPMoE, "_routing_weights", routing_weights),
             torch.no_grad(),
         ):
@@ -248,7 +251,7 @@ class TestEPMoE(CustomTestCase):
         moe.dense_max_row_experts = 0  # ignored on CUDA: always dense
         n = _scalar(4, "cuda")
         with (
-            mock.patch.object(EPMoE, "_expert", side_effect=AssertionError),
+            mock.patch.object(EPMoE, "_experts_grouped", side_effect=AssertionError),
             torch.no_grad(),
         ):
             full = moe(x)

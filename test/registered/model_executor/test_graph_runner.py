@@ -25,7 +25,7 @@ from sglang.srt.model_executor.graph_runner import GraphRunner
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.registry import load_target
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, expert_groups
 
 register_cpu_ci(est_time=8, suite="base-a-test-cpu")
 register_cuda_ci(est_time=20, stage="base-b", runner_config="1-gpu-large")
@@ -161,13 +161,14 @@ def _clone(out):
 
 def _count_expert_pairs(fn):
     """Run fn(); return its result and the (row, expert) pairs that reached
-    an expert: rows of grouped EPMoE._expert calls plus nonzero routing
-    weights of dense forwards (a zero weight adds exactly 0)."""
-    pairs, expert, routing = [], EPMoE._expert, EPMoE._routing_weights
+    an expert: each local expert's rows in grouped calls (not the zero
+    expert's) plus nonzero routing weights of dense forwards (a zero weight
+    adds exactly 0)."""
+    pairs, grouped, routing = [], EPMoE._experts_grouped, EPMoE._routing_weights
 
-    def spy_expert(module, e, x):
-        pairs.append(x.shape[0])
-        return expert(module, e, x)
+    def spy_grouped(module, xs, offs):
+        pairs.append(sum(x.shape[0] for _, x in expert_groups(module, xs, offs)))
+        return grouped(module, xs, offs)
 
     def spy_routing(module, topk, *, masked):
         weights = routing(module, topk, masked=masked)
@@ -175,7 +176,7 @@ def _count_expert_pairs(fn):
         return weights
 
     with (
-        mock.patch.object(EPMoE, "_expert", spy_expert),
+        mock.patch.object(EPMoE, "_experts_grouped", spy_grouped),
         mock.patch.object(EPMoE, "_routing_weights", spy_routing),
     ):
         result = fn()

@@ -23,7 +23,7 @@ from sglang.srt.distributed.parallel_state import (
 from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.utils.op_counter import OpCounter, count_calls
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase, spawn_ranks
+from sglang.test.test_utils import CustomTestCase, expert_groups, spawn_ranks
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -47,24 +47,27 @@ ENGINE_ARGS = dict(
 
 def _count_expert_pairs(engine) -> list:
     """Patch every MoE to count the (row, expert) pairs that reach an expert:
-    rows of grouped _expert calls, nonzero routing weights of dense forwards
-    (a padded row's weights are all 0: it adds exactly 0 to the output)."""
+    each local expert's rows in grouped calls (not the zero expert's),
+    nonzero routing weights of dense forwards (a padded row's weights are
+    all 0: it adds exactly 0 to the output)."""
     pairs = [0]
     for model in (engine.worker.target_worker.model, engine.worker.draft_model):
         for module in model.modules():
             if isinstance(module, EPMoE):
-                expert, routing = module._expert, module._routing_weights
+                grouped, routing = module._experts_grouped, module._routing_weights
 
-                def counted_expert(e, x, expert=expert):
-                    pairs[0] += x.shape[0]
-                    return expert(e, x)
+                def counted_grouped(xs, offs, grouped=grouped, module=module):
+                    pairs[0] += sum(
+                        x.shape[0] for _, x in expert_groups(module, xs, offs)
+                    )
+                    return grouped(xs, offs)
 
                 def counted_routing(topk, *, masked, routing=routing):
                     weights = routing(topk, masked=masked)
                     pairs[0] += int((weights != 0).sum())
                     return weights
 
-                module._expert = counted_expert
+                module._experts_grouped = counted_grouped
                 module._routing_weights = counted_routing
     return pairs
 

@@ -12,10 +12,12 @@ the shares. Two ways to compute the share, the same function:
   what it multiplies. Padded rows (expert id -1) are computed and multiplied
   by 0, so their output is exactly 0;
 - grouped (eager CPU, more rows): (row, expert) pairs sorted by expert once,
-  each hit expert run on its rows only, bitwise equal to a loop over
-  experts; padded rows are computed by no expert. Past the threshold the
-  dense path's E_local / top_k times more multiply-adds cost more than the
-  grouped path's per-expert ops.
+  then one grouped matmul per projection (``torch._grouped_mm``: each
+  expert's weights on its own rows only), bitwise equal to a loop over
+  experts; padded rows and other ranks' pairs go to an all-zero expert, so
+  their output is exactly 0. No host read. Past the threshold the dense
+  path's E_local / top_k times more multiply-adds cost more than the
+  grouped path's extra ops (sort, gather, scatter-add).
 
 The all-reduce always carries the whole [T, H] tensor.
 """
@@ -68,13 +70,14 @@ class EPMoE(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(self.num_local, hidden_size, intermediate_size)
         )
-        # 1..E_local: searched in the sorted expert ids, the ends of the groups.
+        # 1..E_local + 1: searched in the sorted expert ids, the ends of the
+        # groups (the last one the zero expert's: unrouted pairs).
         self.register_buffer(
-            "_expert_ends", torch.arange(1, self.num_local + 1), persistent=False
+            "_expert_ends", torch.arange(1, self.num_local + 2), persistent=False
         )
         # Layouts derived from w13/w2, remade when a weight changes.
         self._derived_key: Optional[Tuple[int, ...]] = None
-        self._expert_views: Tuple[Tuple[torch.Tensor, ...], ...] = ()
+        self._grouped_experts: Tuple[torch.Tensor, ...] = ()
         self._all_experts: Tuple[torch.Tensor, ...] = ()
 
     def load_full_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -93,10 +96,12 @@ class EPMoE(nn.Module):
             return
         w13, w2 = w13.detach(), w2.detach()
         inter, hidden = self.intermediate_size, w13.shape[-1]
-        # Grouped path: per-expert transposed views ([H, 2I] and [I, H]),
-        # F.linear's operands without its per-call select and transpose.
-        self._expert_views = tuple(
-            tuple(w.transpose(1, 2).unbind(0)) for w in (w13, w2)
+        # Grouped path: the experts and then a zero expert, [E_local + 1, 2I, H]
+        # and [E_local + 1, H, I] copied once, multiplied through transposed
+        # views as F.linear multiplies (x @ W.t(): bitwise its results).
+        self._grouped_experts = tuple(
+            torch.cat((w, w.new_zeros(1, *w.shape[1:]))).transpose(1, 2)
+            for w in (w13, w2)
         )
         # Dense path: all local experts side by side, copied once. w13 as
         # [H, 2 * E_local * I] (every gate, then every up: each half of the
@@ -163,44 +168,37 @@ class EPMoE(nn.Module):
         act.view(num_rows, self.num_local, -1).mul_(weights.unsqueeze(-1))
         return torch.mm(act, w2)  # [T, H]
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        # x: [rows, H] -> [rows, H]; F.linear's arithmetic (mm with W.t()).
-        w13_t, w2_t = self._expert_views
-        gate, up = torch.mm(x, w13_t[e]).chunk(2, dim=-1)
-        return torch.mm(F.silu(gate).mul_(up), w2_t[e])
+    def _experts_grouped(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """xs: [R, H], grouped by expert; offs: [E_local + 1] int32, each
+        group's end. Local expert e multiplies rows offs[e - 1]:offs[e] (the
+        last group meets the zero expert), F.linear's arithmetic per group."""
+        w13, w2 = self._grouped_experts
+        inter = self.intermediate_size
+        h = torch._grouped_mm(xs, w13, offs=offs)  # [R, 2I]: gates, then ups
+        return torch._grouped_mm(F.silu(h[:, :inter]).mul_(h[:, inter:]), w2, offs=offs)
 
     def _forward_grouped(
         self, x: torch.Tensor, topk: TopKOutput, *, masked: bool
     ) -> torch.Tensor:
-        """Rows sorted by expert once; each hit expert runs on its own rows.
+        """Pairs sorted by expert once; one grouped matmul per projection.
 
         A stable sort keeps each expert's rows in ascending order, so each
-        expert computes the same rows in the same order as a loop over
+        expert multiplies the same rows in the same order as a loop over
         experts would, and index_add_ adds each row's shares in ascending
-        expert order: the same arithmetic. One host read (the group ends); -1
-        ids and other ranks' experts sort past the local ones, uncomputed.
+        expert order: the same arithmetic. -1 ids (masked) and other ranks'
+        experts sort into the zero expert after the local ones: exactly 0.
         """
-        num_rows, top_k = topk.topk_ids.shape
+        top_k = topk.topk_ids.shape[1]
         ids = topk.topk_ids.view(-1)  # [T * top_k], flat index = row * top_k + j
         local = ids - self.first_local if self.first_local else ids
         if self.ep_size > 1 or masked:
-            # Not this rank's (or -1, masked): a sentinel past every local expert.
+            # Not this rank's (or -1, masked): the zero expert, past the local ones.
             routed = (local >= 0) & (local < self.num_local)
             local = torch.where(routed, local, self.num_local)
         sorted_ids, order = torch.sort(local, stable=True)  # [T * top_k] each
-        # ends[e]: where expert e's pairs end in the sorted order (searchsorted,
-        # not bincount: CUDA's bincount reads the max back, a second sync).
-        ends = torch.searchsorted(sorted_ids, self._expert_ends).tolist()
-        num_routed = ends[-1]
-        out = torch.zeros_like(x)
-        if num_routed == 0:
-            return out
-        if num_routed < order.shape[0]:
-            order = order[:num_routed]
-        rows = order // top_k  # [R], expert-major, ascending rows per expert
-        sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
-        xs = x.index_select(0, rows).split(sizes)
-        ys = [self._expert(e, xe) for e, xe in enumerate(xs) if xe.shape[0]]
-        y = torch.cat(ys) if len(ys) > 1 else ys[0]  # [R, H]
+        # offs[e]: where expert e's pairs end in the sorted order, on the device.
+        offs = torch.searchsorted(sorted_ids, self._expert_ends, out_int32=True)
+        rows = order // top_k  # expert-major, ascending rows per expert
+        y = self._experts_grouped(x.index_select(0, rows), offs)  # [T * top_k, H]
         y *= topk.topk_weights.view(-1).index_select(0, order).unsqueeze(1)
-        return out.index_add_(0, rows, y)
+        return torch.zeros_like(x).index_add_(0, rows, y)
