@@ -106,21 +106,40 @@ class TestTrainedPair(CustomTestCase):
         )
         self.assertGreaterEqual(committed / steps, 2.5)
 
-    def test_first_verify_tokens_follow_plain_distribution(self):
+    def _first_verify_tokens_follow_plain(self, temperature, prompt, *, mixed=False):
         # Output token 0 comes from prefill; tokens 1 and 2 from DSpark's first
         # verify step (an accepted draft or the residual-sampled bonus).
+        # Mixed: every other request is greedy, in the same batches (the
+        # mixed verify path); only the sampling ones are compared.
         n = 1000
-        prompt = self.prompts[0][:24]
-        params = {"max_new_tokens": 3, "temperature": 1.0}
-        spec = self.dspark.generate(input_ids=[prompt] * n, sampling_params=params)
+        params = {"max_new_tokens": 3, "temperature": temperature}
+        spec_params = params
+        if mixed:
+            greedy = dict(params, temperature=0.0)
+            spec_params = [params, greedy] * n
+        spec = self.dspark.generate(
+            input_ids=[prompt] * (2 * n if mixed else n), sampling_params=spec_params
+        )
+        spec = spec[0::2] if mixed else spec
         plain = self.plain.generate(input_ids=[prompt] * n, sampling_params=params)
         for i in (1, 2):
-            with self.subTest(token=i):
+            with self.subTest(temperature=temperature, mixed=mixed, token=i):
                 a = [o["output_ids"][i] for o in spec]
                 b = [o["output_ids"][i] for o in plain]
                 stat, dof, p = chi_square_homogeneity(a, b)
                 self.assertGreaterEqual(dof, 2)  # the draws are not all one token
                 self.assertGreater(p, 1e-3, f"chi2={stat:.1f}, dof={dof}")
+
+    def test_first_verify_tokens_follow_plain_distribution(self):
+        self._first_verify_tokens_follow_plain(1.0, self.prompts[0][:24])
+
+    def test_first_verify_tokens_follow_plain_distribution_at_t07(self):
+        # T != 1: p and q both at 1/T (a wrong scale on either shows here).
+        # A prompt whose next bytes are still uncertain at T = 0.7.
+        self._first_verify_tokens_follow_plain(0.7, self.prompts[3][:32])
+
+    def test_first_verify_tokens_follow_plain_distribution_mixed_batch(self):
+        self._first_verify_tokens_follow_plain(0.7, self.prompts[3][:32], mixed=True)
 
 
 if __name__ == "__main__":

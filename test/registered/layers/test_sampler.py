@@ -106,6 +106,11 @@ class TestSamplingBatchInfo(CustomTestCase):
         # A tiny temperature is clamped as temperature_probs clamps it.
         tiny = SamplingBatchInfo.from_temperatures([1e-12], "cpu")
         self.assertAlmostEqual(tiny.inv_temperatures.item(), 1e6, delta=1)
+        # One that is 0 in float32 is greedy, as sample_tokens treats it.
+        self.assertIsNone(SamplingBatchInfo.from_temperatures([1e-300], "cpu"))
+        mixed = SamplingBatchInfo.from_temperatures([1e-300, 1.0], "cpu")
+        self.assertFalse(mixed.all_sampled)
+        self.assertEqual(mixed.is_sampled.tolist(), [False, True])
 
 
 class TestExp1Noise(CustomTestCase):

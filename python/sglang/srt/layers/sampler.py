@@ -24,17 +24,20 @@ class SamplingBatchInfo:
     def from_temperatures(
         cls, temperatures: Sequence[float], device
     ) -> Optional["SamplingBatchInfo"]:
-        temps = [float(t) for t in temperatures]
-        if not any(temps):
+        # The flags come from the float32 values the kernels see, on the host
+        # (no sync): a temperature that rounds to 0 in float32 is greedy, as
+        # in sample_tokens.
+        t = torch.tensor([float(x) for x in temperatures], dtype=torch.float32)
+        is_sampled = t > 0
+        if not bool(is_sampled.any()):
             return None
-        t = torch.tensor(temps, dtype=torch.float32, device=device)
         # As temperature_probs: T clamped at 1e-6, so logits / T stays finite.
-        inv = torch.where(t > 0, 1.0 / t.clamp_min(1e-6), torch.ones_like(t))
+        inv = torch.where(is_sampled, 1.0 / t.clamp_min(1e-6), torch.ones_like(t))
         return cls(
-            temperatures=t,
-            inv_temperatures=inv.unsqueeze(1),
-            is_sampled=t > 0,
-            all_sampled=all(temps),
+            temperatures=t.to(device),
+            inv_temperatures=inv.unsqueeze(1).to(device),
+            is_sampled=is_sampled.to(device),
+            all_sampled=bool(is_sampled.all()),
         )
 
 

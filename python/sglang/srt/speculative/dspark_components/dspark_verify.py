@@ -231,9 +231,10 @@ def rejection_verify(
     fallback = target_probs.gather(1, at).squeeze(1)
     # p == q leaves no residual mass; then rejection cannot happen, keep p.
     row = torch.where(row.sum(-1, keepdim=True) > 0, row, fallback)
-    # argmax(row / Exp(1)) draws from row / row.sum(): no need to normalize.
+    # Normalized first: a residual of subnormal values divided by the noise
+    # could flush to all zeros, and argmax would then return token 0.
     noise = exp1_noise_(torch.empty_like(row), generator)
-    bonus = (row / noise).argmax(dim=-1)
+    bonus = (row / row.sum(-1, keepdim=True) / noise).argmax(dim=-1)
     return _result(draft_tokens, accept_lens, bonus)
 
 
@@ -272,6 +273,7 @@ def rejection_verify_into(
     torch.sum(s.row, -1, keepdim=True, out=s.mass)
     torch.gt(s.mass, 0, out=s.has_mass)
     torch.where(s.has_mass, s.row, s.fallback, out=s.row)
+    s.row.div_(torch.sum(s.row, -1, keepdim=True, out=s.mass))
     s.row.div_(exp1_noise_(s.noise, generator))
     torch.argmax(s.row, dim=-1, keepdim=True, out=s.bonus)
     v.output_drafts.copy_(draft_tokens)
