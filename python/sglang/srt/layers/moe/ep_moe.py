@@ -187,6 +187,8 @@ class EPMoE(nn.Module):
         experts would, and index_add_ adds each row's shares in ascending
         expert order: the same arithmetic. -1 ids (masked) and other ranks'
         experts sort into the zero expert after the local ones: exactly 0.
+        At EP size n that zero expert multiplies about (n - 1) / n of the
+        pairs: the price of no host read (slicing them off needs the count).
         """
         top_k = topk.topk_ids.shape[1]
         ids = topk.topk_ids.view(-1)  # [T * top_k], flat index = row * top_k + j
