@@ -10,20 +10,23 @@ at once: a round submits ``--num-prompts`` prompts (default 4 x the batch
 size) and the scheduler admits the next one as soon as a running request
 finishes, as a server does (``--num-prompts`` equal to the batch size is
 one static batch, whose last steps run part-empty under speculation:
-requests finish at different steps). Within a round the engines advance in lockstep, one
-decode step of each in turn (who goes first alternates), so the two step
-times of a pair saw the same machine load. Printed per temperature and
-batch size: each engine's decode
-tokens/s and mean step time; the DSpark/plain step-cost ratio, the
-geometric mean of the paired ratios, with its 95% confidence interval (a
-t-interval on the paired log ratios); the speedup, DSpark's decode tokens
-per step over plain's (this run's counts) divided by the ratio of the
-paired steps' mean costs (what throughput follows), with that ratio's 95%
-interval (delta method) carried over (the engines' own tokens/s would mix in
-plain's unpaired steps, which run back to back on warm caches once DSpark
-has finished: measured 13-19% faster than its paired ones); DSpark's mean
-accepted length (accepted drafts + 1 per verify step); and whether DSpark's
-greedy output equals plain greedy output token for token (it must).
+requests finish at different steps). Within a round the engines advance in
+lockstep, ``--block-steps`` decode steps (default 16) of each in turn (who
+goes first alternates), so the two blocks of a turn saw the same machine
+load. Blocks, not single steps: an engine stepped right after the other
+runs on the other's cache state, and that slowed plain's steps more than
+DSpark's (measured, bs 8, T=1: single-step turns gave a DSpark/plain step
+cost of 2.27, blocks of 16 or 64 steps 2.56-2.59, whole rounds of one
+engine at a time 2.66-2.78; a deployment runs one engine, warm).
+Printed per temperature and batch size: each engine's decode tokens/s and
+mean step time; the DSpark/plain step-cost ratio, the geometric mean of
+the turns' ratios of mean block step times, with its 95% confidence
+interval (a t-interval on the log ratios); the speedup, DSpark's decode
+tokens per step over plain's (this run's counts) divided by the ratio of
+the paired blocks' mean step costs (what throughput follows), with that
+ratio's 95% interval (delta method) carried over; DSpark's mean accepted
+length (accepted drafts + 1 per verify step); and whether DSpark's greedy
+output equals plain greedy output token for token (it must).
 ``--count-ops`` adds the aten ops and allocations of one decode step of
 each engine (exact counts, from OpCounter, in a separate untimed pass).
 """
@@ -100,11 +103,12 @@ def _submit(engine: Engine, prompts, params: Dict) -> List[Req]:
 
 
 def _lockstep_round(
-    engines: Dict[str, Engine], prompts, params: Dict, bar
+    engines: Dict[str, Engine], prompts, params: Dict, bar, block_steps: int = 1
 ) -> Tuple[Dict[str, List[Req]], Dict[str, List[float]], List[Tuple[float, float]]]:
-    """One round: the same prompts on every engine, advanced a step at a time
-    in turn. Returns the requests, each engine's decode step times, and the
-    (plain, dspark) step-time pairs of the turns where both decoded."""
+    """One round: the same prompts on every engine, advanced ``block_steps``
+    steps at a time in turn. Returns the requests, each engine's decode step
+    times, and per turn where both decoded the (plain, dspark) pair of their
+    mean decode step times over the turn's block."""
     reqs = {name: _submit(e, prompts, params) for name, e in engines.items()}
     times: Dict[str, List[float]] = {name: [] for name in engines}
     pairs = []
@@ -113,17 +117,19 @@ def _lockstep_round(
         turn = {}
         for name in order:
             scheduler = engines[name].scheduler
-            if not scheduler.has_work():
-                continue
-            n, committed = len(scheduler.decode_step_times), _committed(reqs[name])
-            scheduler.step()
-            bar.update(_committed(reqs[name]) - committed)
+            n = len(scheduler.decode_step_times)
+            for _ in range(block_steps):
+                if not scheduler.has_work():
+                    break
+                committed = _committed(reqs[name])
+                scheduler.step()
+                bar.update(_committed(reqs[name]) - committed)
             if len(scheduler.decode_step_times) > n:
-                turn[name] = scheduler.decode_step_times[-1]
-        for name, t in turn.items():
-            times[name].append(t)
+                turn[name] = scheduler.decode_step_times[n:]
+        for name, block in turn.items():
+            times[name] += block
         if len(turn) == len(engines):
-            pairs.append((turn["plain"], turn["dspark"]))
+            pairs.append(tuple(statistics.fmean(turn[name]) for name in ENGINES))
         order.reverse()  # neither engine always runs right after the other
     for e in engines.values():
         e.scheduler.decode_step_times.clear()
@@ -241,7 +247,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
         ) as bar:
             for _ in range(args.repeats):
                 reqs, step_times, round_pairs = _lockstep_round(
-                    engines, prompts, params, bar
+                    engines, prompts, params, bar, block_steps=args.block_steps
                 )
                 pairs += round_pairs
                 for name in ENGINES:
@@ -258,6 +264,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
             "device": plain.server_args.device,
             "cuda_graph": plain.server_args.use_cuda_graph,
             "repeats": args.repeats,
+            "block_steps": args.block_steps,
         }
         tokens_per_step = {}
         for name in ENGINES:
@@ -383,8 +390,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="lockstep rounds per batch size; their step pairs are pooled",
+        default=8,
+        help="lockstep rounds per batch size; their block pairs are pooled",
+    )
+    p.add_argument(
+        "--block-steps",
+        type=int,
+        default=16,
+        help="decode steps an engine runs per turn (1: alternate single steps)",
     )
     p.add_argument(
         "--count-ops",
@@ -399,6 +412,8 @@ def main(argv=None) -> int:
         p.error("--output-len must be >= 2")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.block_steps < 1:
+        p.error("--block-steps must be >= 1")
     if min(args.batch_size) < 1:
         p.error("--batch-size values must be >= 1")
     if args.num_prompts is not None and args.num_prompts < max(args.batch_size):

@@ -54,7 +54,10 @@ class TestBenchOneBatch(CustomTestCase):
             # round (the first token is prefill's); DSpark needs at most as many.
             self.assertEqual(r["plain_decode_steps"], 2 * 4 * 8)
             self.assertLessEqual(r["dspark_decode_steps"], r["plain_decode_steps"])
-            self.assertEqual(r["step_pairs"], r["dspark_decode_steps"])
+            # Blocks of 16 steps: a pair per turn in which both engines decoded.
+            self.assertEqual(r["block_steps"], 16)
+            self.assertGreaterEqual(r["step_pairs"], 3)
+            self.assertLessEqual(r["step_pairs"], r["dspark_decode_steps"])
             lo, hi = r["step_cost_ratio_ci95"]
             self.assertLess(lo, r["step_cost_ratio"])
             self.assertLess(r["step_cost_ratio"], hi)
@@ -117,6 +120,28 @@ class TestBenchOneBatch(CustomTestCase):
             trained["dspark_ops_per_step"], trained["plain_ops_per_step"]
         )
 
+    def test_block_steps(self):
+        # One round: DSpark decodes in turns of up to K steps while plain
+        # (more steps) still runs, so it makes ceil(steps / K) pairs; K = 1
+        # alternates single steps.
+        for k in (1, 4):
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "bench.json")
+                rc, _ = _main(
+                    ["--batch-size", "2", "--input-len", "4", "--output-len", "12"]
+                    + ["--repeats", "1", "--temperature", "0", "--block-steps"]
+                    + [str(k), "--json", path]
+                )
+                with open(path) as f:
+                    (row,) = json.load(f)
+            self.assertEqual(rc, 0)
+            with self.subTest(block_steps=k):
+                self.assertEqual(row["block_steps"], k)
+                self.assertTrue(row["greedy_output_equal"])
+                steps = row["dspark_decode_steps"]
+                self.assertGreater(steps, k)
+                self.assertEqual(row["step_pairs"], -(-steps // k))
+
     def test_batch_size_caps_running_requests(self):
         # 5 prompts, 2 decoding at once: plain runs waves of 2, 2 and 1; DSpark
         # admits a prompt whenever one finishes. --num-prompts equal to the
@@ -170,6 +195,7 @@ class TestBenchOneBatch(CustomTestCase):
             ["--batch-size", "0"],
             ["--input-len", "0"],
             ["--repeats", "0"],
+            ["--block-steps", "0"],
             ["--batch-size", "1", "8", "--num-prompts", "4"],
         ):
             with self.subTest(argv=argv):
