@@ -32,11 +32,14 @@ from torch import nn
 from sglang.srt.layers.moe.topk import TopKOutput, select_experts
 from sglang.srt.runtime_context import get_parallel
 
-# Dense up to this many rows * local experts (64 rows over 8 experts).
-# Measured on one CPU thread, hidden 64, intermediate 96: dense is faster
-# than grouped alone up to ~32 rows over 8 experts, and inside a whole
-# decode step also at 48 (a bs-8 verify); grouped wins for long prompts.
-DENSE_MAX_ROW_EXPERTS = 512
+# Dense up to this many rows * local experts (20 rows over 8 experts, 40
+# over 4). Measured on one CPU thread, hidden 64, intermediate 96, top 2,
+# one MoE layer alone: dense 91 / grouped 94 us at 16 rows over 8 experts,
+# 117 / 107 at 24, 191 / 126 at 48 (a bs-8 verify); over 4 experts, 96 /
+# 100 at 40 rows (a bs-8 draft), 110 / 110 at 48. Inside whole bs-8 T=1
+# DSpark steps the grouped verify took 1.50-1.59 plain steps against
+# 1.76-1.79 dense (two runs each, interleaved).
+DENSE_MAX_ROW_EXPERTS = 160
 
 
 class EPMoE(nn.Module):
