@@ -25,8 +25,10 @@ interval (a t-interval on the log ratios); the speedup, DSpark's decode
 tokens per step over plain's (this run's counts) divided by the ratio of
 the paired blocks' mean step costs (what throughput follows), with that
 ratio's 95% interval (delta method) carried over; DSpark's mean accepted
-length (accepted drafts + 1 per verify step); and whether DSpark's greedy
-output equals plain greedy output token for token (it must).
+length (accepted drafts + 1 per verify step); each engine's mean requests
+per decode step (below the batch size while a round's last requests
+drain); and whether DSpark's greedy output equals plain greedy output
+token for token (it must).
 ``--count-ops`` adds the aten ops and allocations of one decode step of
 each engine (exact counts, from OpCounter, in a separate untimed pass).
 """
@@ -274,6 +276,10 @@ def run(args: argparse.Namespace) -> List[Dict]:
             row[f"{name}_mean_step_ms"] = 1e3 * statistics.fmean(times[name])
             row[f"{name}_tokens_per_s"] = decode_tokens / sum(times[name])
             tokens_per_step[name] = decode_tokens / len(times[name])
+            # Requests decoding per step: below the batch size while a round's
+            # last requests drain (DSpark's finish at different steps).
+            row_steps = sum(r.spec_verify_ct for r in all_reqs[name])
+            row[f"{name}_rows_per_step"] = row_steps / len(times[name])
         ratio, lo, hi = paired_ratio(pairs)
         # Speedup = (tokens per step, this run's counts) / (mean step cost of
         # DSpark over plain's, on the paired steps: both timed under the same
@@ -328,6 +334,8 @@ def _format(r: Dict) -> str:
         f"tokens/step {r['tokens_per_step_ratio']:.2f}x / mean step cost "
         f"{r['step_cost_mean_ratio']:.3f} = speedup "
         f"{r['speedup']:.3f}x{speedup_ci} | accept length {r['accept_length']:.2f} | "
+        f"requests per step {r['plain_rows_per_step']:.2f} plain, "
+        f"{r['dspark_rows_per_step']:.2f} dspark | "
         f"greedy equal: {'n/a (sampling)' if equal is None else equal}"
     )
     if "plain_ops_per_step" in r:

@@ -174,6 +174,13 @@ class TestBenchOneBatch(CustomTestCase):
                     waves = [[2] * 5, [2] * 5, [1] * 5] if num == 5 else [[2] * 5]
                     self.assertEqual(sizes["plain"], warmup + sum(waves, []))
                     self.assertEqual(row["plain_decode_steps"], 5 * len(waves))
+                    # Requests per step: the timed decode batches, the last
+                    # ones recorded (the warm-up's come first).
+                    for name in ("plain", "dspark"):
+                        timed = sizes[name][-row[f"{name}_decode_steps"] :]
+                        self.assertAlmostEqual(
+                            row[f"{name}_rows_per_step"], sum(timed) / len(timed)
+                        )
                     self.assertEqual(max(sizes["dspark"]), 2)
                     # Every prompt's 5 decoded tokens came from these steps.
                     self.assertLessEqual(len(sizes["dspark"]) - 3, 5 * len(waves))
