@@ -75,9 +75,9 @@ def spawn_ranks(rank_main, *, world_size: int = 2) -> List[dict]:
 
 
 def expert_groups(module, xs: torch.Tensor, offs: torch.Tensor):
-    """The (local expert, its input rows) of a grouped call; rows of the zero
-    expert (masked pairs, other ranks') reach no expert."""
-    ends = offs.tolist()[: module.num_local]
+    """The (local expert, its input rows) of a grouped call (masked pairs and
+    other ranks' are cut off before it)."""
+    ends = offs.tolist()
     return [
         (e, xs[start:end])
         for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))

@@ -66,8 +66,7 @@ def _reference(moe: EPMoE, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
 
 def _expert_pairs(moe: EPMoE, fn):
     """Run fn; return its result and the (row, local expert) pairs that reach
-    an expert: each expert's rows in every grouped call (the zero expert's
-    reach none), plus nonzero routing weights of every dense forward (a
+    an expert: each expert's rows in every grouped call, plus nonzero routing weights of every dense forward (a
     zero-weight pair adds exactly 0)."""
     pairs = {"grouped": [], "dense": 0}
     grouped, routing = moe._experts_grouped, moe._routing_weights
@@ -193,24 +192,44 @@ class TestGroupedExperts(CustomTestCase):
                 self.assertEqual(sum(r for _, r in pairs["grouped"]), n * moe.top_k)
                 self.assertTrue(bool((out[n:] == 0).all()))
 
-    def test_no_host_read_and_no_per_expert_scan(self):
+    def test_no_per_expert_scan_and_a_host_read_only_to_cut_masked_pairs(self):
+        # Unmasked on EP 1 every pair is routed: no host read. Masked, the
+        # padded rows' pairs sort last and one read of where cuts them off:
+        # the grouped matmuls multiply the real rows' pairs only.
         moe = _moe(8, 2, dense=False)
-        x, scalar, topk = _inputs(moe, 6, 4)
-        with torch.no_grad(), OpCounter() as c:
-            moe(x, scalar)
-        self.assertEqual(c.by_op["aten::searchsorted.Tensor"], 1)
-        self.assertEqual(c.by_op["aten::sort.stable"], 1)
-        for op in (
-            "aten::nonzero",
-            "aten::bincount",
-            "aten::_local_scalar_dense",
-            "aten::eq.Scalar",
-        ):
-            self.assertNotIn(op, c.by_op)
-        # The router's matmul, then one grouped matmul per projection for all
-        # experts, whatever the routing.
-        self.assertEqual(c.by_op["aten::mm"], 1)
-        self.assertEqual(c.by_op["aten::_grouped_mm"], 2)
+        for n, reads in ((None, 0), (4, 1), (0, 1)):
+            with self.subTest(n=n):
+                x, scalar, _ = _inputs(moe, 6, n)
+                computed, grouped = [], moe._experts_grouped
+
+                def spy(xs, offs):
+                    computed.append((xs.shape[0], offs))  # read after counting
+                    return grouped(xs, offs)
+
+                with (
+                    torch.no_grad(),
+                    mock.patch.object(moe, "_experts_grouped", spy),
+                    OpCounter() as c,
+                ):
+                    out = moe(x, scalar)
+                self.assertEqual(c.by_op["aten::searchsorted.Tensor"], 1)
+                self.assertEqual(c.by_op["aten::sort.stable"], 1)
+                self.assertEqual(c.by_op["aten::_local_scalar_dense"], reads)
+                for op in ("aten::nonzero", "aten::bincount", "aten::eq.Scalar"):
+                    self.assertNotIn(op, c.by_op)
+                real = 6 if n is None else n
+                if real == 0:  # nothing routed: no expert runs, the output is 0
+                    self.assertEqual(computed, [])
+                    self.assertNotIn("aten::_grouped_mm", c.by_op)
+                    self.assertTrue(torch.equal(out, torch.zeros_like(x)))
+                    continue
+                # The router's matmul, then one grouped matmul per projection
+                # for all experts, whatever the routing.
+                self.assertEqual(c.by_op["aten::mm"], 1)
+                self.assertEqual(c.by_op["aten::_grouped_mm"], 2)
+                ((num_rows, offs),) = computed
+                self.assertEqual((num_rows, int(offs[-1])), (2 * real, 2 * real))
+                self.assertTrue(torch.equal(out[real:], torch.zeros_like(x[real:])))
 
     def test_weight_views_follow_the_parameters(self):
         moe = _moe(4, 2, dense=False)

@@ -47,7 +47,7 @@ ENGINE_ARGS = dict(
 
 def _count_expert_pairs(engine) -> list:
     """Patch every MoE to count the (row, expert) pairs that reach an expert:
-    each local expert's rows in grouped calls (not the zero expert's),
+    each local expert's rows in grouped calls,
     nonzero routing weights of dense forwards (a padded row's weights are
     all 0: it adds exactly 0 to the output)."""
     pairs = [0]

@@ -14,10 +14,12 @@ the shares. Two ways to compute the share, the same function:
 - grouped (eager CPU, more rows): (row, expert) pairs sorted by expert once,
   then one grouped matmul per projection (``torch._grouped_mm``: each
   expert's weights on its own rows only), bitwise equal to a loop over
-  experts; padded rows and other ranks' pairs go to an all-zero expert, so
-  their output is exactly 0. No host read. Past the threshold the dense
-  path's E_local / top_k times more multiply-adds cost more than the
-  grouped path's extra ops (sort, gather, scatter-add).
+  experts. Padded rows and other ranks' pairs sort last and are never
+  computed: one host read of how many pairs are this rank's, made only
+  when there can be others (EP > 1 or masked rows); their output is
+  exactly 0. Past the threshold the dense path's E_local / top_k times
+  more multiply-adds cost more than the grouped path's extra ops (sort,
+  gather, scatter-add).
 
 The all-reduce always carries the whole [T, H] tensor.
 """
@@ -73,10 +75,10 @@ class EPMoE(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(self.num_local, hidden_size, intermediate_size)
         )
-        # 1..E_local + 1: searched in the sorted expert ids, the ends of the
-        # groups (the last one the zero expert's: unrouted pairs).
+        # 1..E_local: searched in the sorted expert ids, the ends of the
+        # local experts' groups (unrouted pairs sort after the last).
         self.register_buffer(
-            "_expert_ends", torch.arange(1, self.num_local + 2), persistent=False
+            "_expert_ends", torch.arange(1, self.num_local + 1), persistent=False
         )
         # Layouts derived from w13/w2, remade when a weight changes.
         self._derived_key: Optional[Tuple[int, ...]] = None
@@ -99,13 +101,10 @@ class EPMoE(nn.Module):
             return
         w13, w2 = w13.detach(), w2.detach()
         inter, hidden = self.intermediate_size, w13.shape[-1]
-        # Grouped path: the experts and then a zero expert, [E_local + 1, 2I, H]
-        # and [E_local + 1, H, I] copied once, multiplied through transposed
-        # views as F.linear multiplies (x @ W.t(): bitwise its results).
-        self._grouped_experts = tuple(
-            torch.cat((w, w.new_zeros(1, *w.shape[1:]))).transpose(1, 2)
-            for w in (w13, w2)
-        )
+        # Grouped path: [E_local, H, 2I] and [E_local, I, H], transposed views
+        # of the weights, multiplied as F.linear multiplies (x @ W.t():
+        # bitwise its results).
+        self._grouped_experts = (w13.transpose(1, 2), w2.transpose(1, 2))
         # Dense path: all local experts side by side, copied once. w13 as
         # [H, 2 * E_local * I] (every gate, then every up: each half of the
         # product is one contiguous block per row), w2 as [E_local * I, H].
@@ -172,9 +171,9 @@ class EPMoE(nn.Module):
         return torch.mm(act, w2)  # [T, H]
 
     def _experts_grouped(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """xs: [R, H], grouped by expert; offs: [E_local + 1] int32, each
-        group's end. Local expert e multiplies rows offs[e - 1]:offs[e] (the
-        last group meets the zero expert), F.linear's arithmetic per group."""
+        """xs: [R, H], grouped by expert; offs: [E_local] int32, each
+        group's end (the last is R). Local expert e multiplies rows
+        offs[e - 1]:offs[e], F.linear's arithmetic per group."""
         w13, w2 = self._grouped_experts
         inter = self.intermediate_size
         h = torch._grouped_mm(xs, w13, offs=offs)  # [R, 2I]: gates, then ups
@@ -189,21 +188,28 @@ class EPMoE(nn.Module):
         expert multiplies the same rows in the same order as a loop over
         experts would, and index_add_ adds each row's shares in ascending
         expert order: the same arithmetic. -1 ids (masked) and other ranks'
-        experts sort into the zero expert after the local ones: exactly 0.
-        At EP size n that zero expert multiplies about (n - 1) / n of the
-        pairs: the price of no host read (slicing them off needs the count).
+        experts sort after the local ones and are cut off unread (one host
+        read of where, only when there can be any): their rows' output is
+        exactly 0, and at EP size n a rank multiplies its own ~1 / n of the
+        pairs only.
         """
         top_k = topk.topk_ids.shape[1]
         ids = topk.topk_ids.view(-1)  # [T * top_k], flat index = row * top_k + j
         local = ids - self.first_local if self.first_local else ids
-        if self.ep_size > 1 or masked:
-            # Not this rank's (or -1, masked): the zero expert, past the local ones.
+        unrouted = self.ep_size > 1 or masked  # pairs no local expert takes
+        if unrouted:
+            # Not this rank's (or -1, masked): sorted past the local ones.
             routed = (local >= 0) & (local < self.num_local)
             local = torch.where(routed, local, self.num_local)
         sorted_ids, order = torch.sort(local, stable=True)  # [T * top_k] each
         # offs[e]: where expert e's pairs end in the sorted order, on the device.
         offs = torch.searchsorted(sorted_ids, self._expert_ends, out_int32=True)
         rows = order // top_k  # expert-major, ascending rows per expert
+        if unrouted:  # cut them off: one host read (this path is eager only)
+            num_routed = int(offs[-1])
+            if num_routed == 0:
+                return torch.zeros_like(x)
+            order, rows = order[:num_routed], rows[:num_routed]
         y = self._experts_grouped(x.index_select(0, rows), offs)  # [T * top_k, H]
         y *= topk.topk_weights.view(-1).index_select(0, order).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, rows, y)
