@@ -3,7 +3,8 @@ expert on every row in two matmuls, a constant op count, no host read,
 equal to a loop over experts up to rounding, padded rows exactly 0.
 Grouped (more rows, eager CPU): rows sorted by expert once, each hit expert
 run on its rows only, bitwise equal to the loop; padded rows and other
-ranks' experts never computed; one host read per layer."""
+ranks' experts never computed (one host read per layer to cut them off,
+only with a mask or on EP > 1)."""
 
 import unittest
 from unittest import mock
@@ -34,7 +35,7 @@ def _moe(num_experts: int, top_k: int, seed: int = 0, *, dense: bool) -> EPMoE:
         top_k=top_k,
     )
     init_random_weights(moe, seed=seed)
-    moe.dense_max_row_experts = 10**9 if dense else 0
+    moe.dense_max_row_experts = 10**9 if dense else -1  # -1: even 0 rows grouped
     return moe
 
 
@@ -66,8 +67,8 @@ def _reference(moe: EPMoE, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
 
 def _expert_pairs(moe: EPMoE, fn):
     """Run fn; return its result and the (row, local expert) pairs that reach
-    an expert: each expert's rows in every grouped call, plus nonzero routing weights of every dense forward (a
-    zero-weight pair adds exactly 0)."""
+    an expert: each expert's rows in every grouped call, plus nonzero routing
+    weights of every dense forward (a zero-weight pair adds exactly 0)."""
     pairs = {"grouped": [], "dense": 0}
     grouped, routing = moe._experts_grouped, moe._routing_weights
 
@@ -90,9 +91,9 @@ def _expert_pairs(moe: EPMoE, fn):
 
 class TestDenseExperts(CustomTestCase):
     def test_equal_to_the_expert_loop(self):
-        for num_experts, top_k in ((8, 2), (8, 1), (8, 3), (4, 2)):
+        for num_experts, top_k in ((8, 2), (8, 1), (8, 3), (4, 2), (4, 4)):
             moe = _moe(num_experts, top_k, dense=True)
-            for rows in (1, 5, 6, 48, 97):
+            for rows in (0, 1, 5, 6, 48, 97):
                 for n in (None, 0, rows // 2, rows):
                     with self.subTest(E=num_experts, top_k=top_k, rows=rows, n=n):
                         x, scalar, topk = _inputs(moe, rows, n, seed=rows)
@@ -160,9 +161,9 @@ class TestPathChoice(CustomTestCase):
 class TestGroupedExperts(CustomTestCase):
     def test_bitwise_equal_to_the_expert_loop(self):
         # top_k 3 makes the per-row summation order matter, not only the rows.
-        for num_experts, top_k in ((8, 2), (8, 1), (8, 3), (4, 2)):
+        for num_experts, top_k in ((8, 2), (8, 1), (8, 3), (4, 2), (4, 4)):
             moe = _moe(num_experts, top_k, dense=False)
-            for rows in (1, 5, 6, 48, 97):
+            for rows in (0, 1, 5, 6, 48, 97):
                 for n in (None, 0, rows // 2, rows):
                     with self.subTest(E=num_experts, top_k=top_k, rows=rows, n=n):
                         x, scalar, topk = _inputs(moe, rows, n, seed=rows)

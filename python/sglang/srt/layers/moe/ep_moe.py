@@ -167,7 +167,9 @@ class EPMoE(nn.Module):
         weights = self._routing_weights(topk, masked=masked)  # [T, E_local]
         h = torch.mm(x, w13)  # [T, 2 * E_local * I]: gates, then ups
         act = F.silu(h[:, :width]).mul_(h[:, width:])  # [T, E_local * I]
-        act.view(num_rows, self.num_local, -1).mul_(weights.unsqueeze(-1))
+        act.view(num_rows, self.num_local, self.intermediate_size).mul_(
+            weights.unsqueeze(-1)
+        )
         return torch.mm(act, w2)  # [T, H]
 
     def _experts_grouped(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -204,12 +206,12 @@ class EPMoE(nn.Module):
         sorted_ids, order = torch.sort(local, stable=True)  # [T * top_k] each
         # offs[e]: where expert e's pairs end in the sorted order, on the device.
         offs = torch.searchsorted(sorted_ids, self._expert_ends, out_int32=True)
-        rows = order // top_k  # expert-major, ascending rows per expert
         if unrouted:  # cut them off: one host read (this path is eager only)
             num_routed = int(offs[-1])
             if num_routed == 0:
                 return torch.zeros_like(x)
-            order, rows = order[:num_routed], rows[:num_routed]
+            order = order[:num_routed]
+        rows = order // top_k  # expert-major, ascending rows per expert
         y = self._experts_grouped(x.index_select(0, rows), offs)  # [T * top_k, H]
         y *= topk.topk_weights.view(-1).index_select(0, order).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, rows, y)
