@@ -487,6 +487,20 @@ def format_report(result: Dict, args: argparse.Namespace) -> str:
                 f"after/fixed is resolved above the noise: its 95% CI "
                 f"[{af['ci95'][0]:.3f}, {af['ci95'][1]:.3f}] excludes 1"
             )
+            # At EP 1 before and fixed run the same code: how far their ratio
+            # sits from 1 is how far identical code drifts between blocks here.
+            control = r["before_over_fixed"]
+            lo, hi = af["ci95"]
+            margin = lo - 1 if lo > 1 else 1 - hi  # the CI's nearest bound to 1
+            drift = abs(control["median"] - 1)
+            if args.ep_size == 1 and margin <= drift:
+                verdict = (
+                    f"after/fixed's 95% CI [{lo:.3f}, {hi:.3f}] excludes 1, but "
+                    f"by no more than identical code drifts in this run (the A/A "
+                    f"control, before/fixed, the same code at EP 1: median "
+                    f"{control['median']:.3f}), so the difference is NOT "
+                    "attributable to the scalar"
+                )
         else:
             verdict = (
                 "after vs fixed is NOT resolvable above the noise: the 95% CI "

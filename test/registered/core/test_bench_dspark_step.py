@@ -1,6 +1,8 @@
 """bench_dspark_step: the seed's before / after / fixed measurement, tiny sizes."""
 
+import argparse
 import contextlib
+import copy
 import io
 import json
 import os
@@ -76,6 +78,37 @@ class TestBenchDSparkStep(CustomTestCase):
             line = f"| {r['concurrency']} | {ms['before']:.3f} ms |"
             self.assertIn(line, self.stdout)
         self.assertIn("| C | before | after | fixed | reduction vs after", self.stdout)
+
+    def test_verdict_weighs_the_a_a_control(self):
+        # At EP 1 before and fixed run the same code: an after/fixed CI that
+        # excludes 1 by no more than their ratio's distance from 1 proves
+        # nothing about the scalar.
+        args = argparse.Namespace(
+            repeats=6, steps_per_capture=4, ep_size=1, input_len=8, output_len=24
+        )
+
+        def ratio(lo, hi):
+            return dict(
+                median=(lo + hi) / 2, ci95=[lo, hi], resolvable=not lo <= 1 <= hi
+            )
+
+        cases = (
+            ((1.01, 1.02), (0.99, 1.01), "resolved above the noise"),
+            ((1.01, 1.02), (0.98, 0.99), "NOT attributable to the scalar"),
+            ((1.03, 1.04), (0.98, 0.99), "resolved above the noise"),
+            ((0.97, 0.99), (1.01, 1.03), "NOT attributable to the scalar"),
+            ((0.99, 1.02), (0.98, 0.99), "NOT resolvable above the noise"),
+        )
+        for after, control, expected in cases:
+            with self.subTest(after=after, control=control):
+                result = copy.deepcopy(self.result)
+                for r in result["rows"]:
+                    r["after_over_fixed"] = ratio(*after)
+                    r["before_over_fixed"] = ratio(*control)
+                text = bench_dspark_step.format_report(result, args)
+                self.assertEqual(text.count(expected), 2)  # C = 1 and 3
+                if expected.startswith("NOT attributable"):
+                    self.assertNotIn("resolved above the noise", text)
 
     def test_counts_show_the_scalar_only_in_after(self):
         # The regressed helper is torch.tensor(n).to(device): on the CPU the
