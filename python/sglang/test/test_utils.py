@@ -74,7 +74,7 @@ def spawn_ranks(rank_main, *, world_size: int = 2) -> List[dict]:
     return results
 
 
-def expert_groups(module, xs: torch.Tensor, offs: torch.Tensor):
+def expert_groups(xs: torch.Tensor, offs: torch.Tensor):
     """The (local expert, its input rows) of a grouped call (masked pairs and
     other ranks' are cut off before it)."""
     ends = offs.tolist()

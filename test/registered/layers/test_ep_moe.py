@@ -73,7 +73,7 @@ def _expert_pairs(moe: EPMoE, fn):
     grouped, routing = moe._experts_grouped, moe._routing_weights
 
     def spy_grouped(xs, offs):
-        pairs["grouped"] += [(e, x.shape[0]) for e, x in expert_groups(moe, xs, offs)]
+        pairs["grouped"] += [(e, x.shape[0]) for e, x in expert_groups(xs, offs)]
         return grouped(xs, offs)
 
     def spy_routing(topk, *, masked):

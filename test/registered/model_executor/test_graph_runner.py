@@ -167,7 +167,7 @@ def _count_expert_pairs(fn):
     pairs, grouped, routing = [], EPMoE._experts_grouped, EPMoE._routing_weights
 
     def spy_grouped(module, xs, offs):
-        pairs.append(sum(x.shape[0] for _, x in expert_groups(module, xs, offs)))
+        pairs.append(sum(x.shape[0] for _, x in expert_groups(xs, offs)))
         return grouped(module, xs, offs)
 
     def spy_routing(module, topk, *, masked):

@@ -57,9 +57,7 @@ def _count_expert_pairs(engine) -> list:
                 grouped, routing = module._experts_grouped, module._routing_weights
 
                 def counted_grouped(xs, offs, grouped=grouped, module=module):
-                    pairs[0] += sum(
-                        x.shape[0] for _, x in expert_groups(module, xs, offs)
-                    )
+                    pairs[0] += sum(x.shape[0] for _, x in expert_groups(xs, offs))
                     return grouped(xs, offs)
 
                 def counted_routing(topk, *, masked, routing=routing):
