@@ -104,7 +104,11 @@ class ServerArgs:
     # str or torch.device; None: cuda when present, else cpu. Stored as str.
     device: Optional[Union[str, torch.device]] = None
     random_seed: int = 0  # in [0, 2**63)
-    cuda_graph_bs: Optional[List[int]] = None  # padded buckets
+    # Padded buckets. None: the default list on CUDA; without CUDA graphs
+    # none, so every batch runs as given (padding feeds a graph; with no
+    # graph it only adds rows). Given without graphs, batches are padded
+    # eagerly as a graph would pad them (tests of the padded path).
+    cuda_graph_bs: Optional[List[int]] = None
     disable_cuda_graph: bool = False
     max_running_requests: int = 8
     max_total_tokens: int = 4096  # KV slots
@@ -199,6 +203,8 @@ class ServerArgs:
     def _check_cuda_graph_bs(self) -> None:
         bs = self.cuda_graph_bs
         if bs is None:
+            if not self.use_cuda_graph:
+                return
             self.cuda_graph_bs = [
                 b for b in (1, 2, 4, 8, 16, 32) if b < self.max_running_requests
             ] + [self.max_running_requests]

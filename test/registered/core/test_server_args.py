@@ -95,6 +95,17 @@ class TestServerArgsValidation(CustomTestCase):
         )
         self.assertEqual(len(out[0]["output_ids"]), 3)
 
+    def test_cuda_graph_bs_default(self):
+        # Without graphs no buckets (batches run as given); asked for, kept.
+        self.assertIsNone(ServerArgs(device="cpu").cuda_graph_bs)
+        self.assertIsNone(
+            ServerArgs(device="cpu", disable_cuda_graph=True).cuda_graph_bs
+        )
+        self.assertEqual(ServerArgs(device="cpu", cuda_graph_bs=[2]).cuda_graph_bs, [2])
+        if torch.cuda.is_available():
+            args = ServerArgs(device="cuda", max_running_requests=8)
+            self.assertEqual(args.cuda_graph_bs, [1, 2, 4, 8])
+
     def test_options_the_algorithm_ignores_are_refused(self):
         for kwargs in (
             {"speculative_num_draft_tokens": 6},

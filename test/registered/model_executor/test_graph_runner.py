@@ -372,6 +372,39 @@ class _RunnerChecks:
 
 
 class TestGraphRunnerCPU(_RunnerChecks, CustomTestCase):
+    def test_no_buckets_runs_every_batch_as_given(self):
+        # The CPU default (ServerArgs leaves cuda_graph_bs None without
+        # graphs): no runner, so a bs-3 batch reaches the model as 3 requests.
+        w = self.world
+        model_runner = ModelRunner(
+            forward=w.model.forward,
+            req_to_token_pool=w.req_pool,
+            token_to_kv_pool=w.kv_pool,
+            device="cpu",
+            bucket_sizes=None,
+            use_cuda_graph=False,
+        )
+        self.assertIsNone(
+            model_runner.add_graph_runner(
+                forward_mode=ForwardMode.DECODE, tokens_per_req=1
+            )
+        )
+        self.assertEqual(model_runner.graph_runners, [])
+        seen = []
+        model_runner.forward_fn = lambda fb: seen.append(fb.batch_size) or "out"
+        batch = w.step_batch([0, 1, 2], 1)
+        self.assertEqual(model_runner.forward(batch), "out")
+        self.assertEqual(seen, [3])
+        with self.assertRaisesRegex(ValueError, "CUDA graphs need bucket sizes"):
+            ModelRunner(
+                forward=w.model.forward,
+                req_to_token_pool=w.req_pool,
+                token_to_kv_pool=w.kv_pool,
+                device="cpu",
+                bucket_sizes=None,
+                use_cuda_graph=True,
+            )
+
     def test_bad_buckets(self):
         for buckets in ([], [0, 2], [-1]):
             with self.subTest(buckets=buckets):

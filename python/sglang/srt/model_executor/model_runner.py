@@ -1,7 +1,8 @@
 """Runs one model on a ForwardBatch: through a padded bucket runner when one
-fits the batch, eagerly otherwise (prefill, oversized batches)."""
+fits the batch, eagerly otherwise (prefill, oversized batches, and every
+batch when there are no buckets)."""
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -20,14 +21,16 @@ class ModelRunner:
         req_to_token_pool,
         token_to_kv_pool,
         device,
-        bucket_sizes: Sequence[int],
+        bucket_sizes: Optional[Sequence[int]],  # None: no buckets, no runners
         use_cuda_graph: bool,
     ) -> None:
+        if bucket_sizes is None and use_cuda_graph:
+            raise ValueError("CUDA graphs need bucket sizes")
         self.forward_fn = forward
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.device = device
-        self.bucket_sizes = list(bucket_sizes)
+        self.bucket_sizes = None if bucket_sizes is None else list(bucket_sizes)
         self.use_cuda_graph = use_cuda_graph
         self.graph_runners: List[GraphRunner] = []
 
@@ -37,7 +40,11 @@ class ModelRunner:
         forward_mode: ForwardMode,
         tokens_per_req: int,
         capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
-    ) -> GraphRunner:
+    ) -> Optional[GraphRunner]:
+        """A bucket runner for these batches; None (and none added) without
+        buckets: the batches then run eagerly as given."""
+        if self.bucket_sizes is None:
+            return None
         runner = GraphRunner(
             forward=self.forward_fn,
             forward_mode=forward_mode,
