@@ -85,7 +85,7 @@ class _BlockViews:
     correction: torch.Tensor  # [bs, vocab]
     hidden: torch.Tensor  # [bs, rank]
     scaled: torch.Tensor  # [bs, gamma, vocab]: logits / T
-    gumbel: torch.Tensor  # [bs, gamma, vocab]: -log Exp(1), then + scaled
+    gumbel: torch.Tensor  # [bs, gamma, vocab]: log Exp(1), then scaled - it
     probs: torch.Tensor  # [bs, gamma, vocab]: softmax(scaled)
     greedy: torch.Tensor  # [bs]: a slot's argmax, for mixed batches
     # per k: logits, tokens, scaled, gumbel ([bs, vocab], [bs], ...)
@@ -217,7 +217,8 @@ class DraftBlockProposer:
         if info is not None:
             # Gumbel-max: argmax(logits / T + G), G = -log E with E ~ Exp(1),
             # is a draw from softmax(logits / T); one draw for the whole block.
-            exp1_noise_(v.gumbel, generator).log_().neg_()
+            # log E is kept and subtracted: s - log E == s + G exactly.
+            exp1_noise_(v.gumbel, generator).log_()
         prev = batch.last_ids
         # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)]), left to right.
         for logits_k, tokens_k, scaled_k, gumbel_k in v.slots:  # [bs, vocab], [bs]
@@ -231,7 +232,8 @@ class DraftBlockProposer:
                 torch.argmax(logits_k, dim=-1, out=tokens_k)
             else:
                 torch.mul(logits_k, info.inv_temperatures, out=scaled_k)
-                torch.argmax(gumbel_k.add_(scaled_k), dim=-1, out=tokens_k)
+                torch.sub(scaled_k, gumbel_k, out=gumbel_k)
+                torch.argmax(gumbel_k, dim=-1, out=tokens_k)
                 if not info.all_sampled:  # greedy rows take the argmax
                     torch.argmax(logits_k, dim=-1, out=v.greedy)
                     torch.where(info.is_sampled, tokens_k, v.greedy, out=tokens_k)
