@@ -221,6 +221,8 @@ class _Bench:
             (worker.draft_runner, "forward"),
             (worker.target_worker.model_runner, "forward"),
             (worker.draft_model, "write_context"),
+            (worker.draft_model, "init_forward_metadata"),
+            (worker.target_worker.model, "init_forward_metadata"),
         ]
 
         @contextmanager

@@ -43,7 +43,9 @@ class OracleProposer:
     ):
         self.references, self.gamma, self.corrupt = references, gamma, corrupt
 
-    def propose(self, *, batch, window, generator=None) -> DraftProposal:
+    def propose(
+        self, *, batch, window, generator=None, verify_metadata=None
+    ) -> DraftProposal:
         rows = []
         for req in batch.reqs:
             ref = self.references[tuple(req.origin_input_ids)]

@@ -8,8 +8,10 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from sglang import Engine
 from sglang.srt.layers.attention import AttentionMetadata, kv_read_bound, slot_attention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_INDEX, KVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -204,6 +206,107 @@ class TestMetadataOncePerForward(CustomTestCase):
             )
         )
         self.assertEqual(cos_sin, 1)
+
+
+class TestSharedStepMetadata(CustomTestCase):
+    """A DSpark step builds the verify's metadata once: the target's forward
+    and the context write read it as given, and the draft block derives its
+    own from it (the verify's slots and bound, mask row gamma - 1), with the
+    same results as metadata built per forward."""
+
+    def test_block_and_context_write_read_the_verify_metadata(self):
+        target = TinyMoEForCausalLM(CONFIG)
+        init_random_weights(target, seed=0)
+        target.set_layers_to_capture((1, 2))
+        draft = DSparkDraftModel(DSparkDraftConfig(), target)
+        init_random_weights(draft, seed=1)
+        self.assertIs(draft.rotary_emb, target.rotary_emb)
+        pools, draft_pools = _Pools(), _Pools(num_layers=1)
+        # As in the engine, both KV pools share one request -> slot table.
+        draft_pools.req_pool = pools.req_pool
+        verify = pools.batch([1, 2], [20, 33], 6)
+        verify.capture_hidden_mode = CaptureHiddenMode.FULL
+        block = draft_pools.batch([1, 2], [20, 33], 5, non_causal=True)
+        shared = target.init_forward_metadata(verify)
+        own_block = draft.init_forward_metadata(block)
+        with mock.patch.object(
+            AttentionMetadata, "init_new", side_effect=AssertionError
+        ):
+            derived = draft.init_forward_metadata(block, verify_metadata=shared)
+        # One key column more than the block's own (the verify's last row),
+        # hidden from every block row.
+        self.assertEqual(derived.kv_bound, own_block.kv_bound + 1)
+        self.assertIs(derived.kv_slots, shared.kv_slots)
+        bound = own_block.kv_bound
+        mask = derived.attn_mask.expand(2, 1, 5, bound + 1)
+        self.assertTrue(torch.equal(mask[..., :bound], own_block.attn_mask))
+        self.assertTrue(bool((mask[..., bound] == float("-inf")).all()))
+        self.assertTrue(torch.equal(derived.cos, own_block.cos))
+        # Forwards with the shared metadata give what they give without it.
+        ref = target(verify)
+        verify.attn_metadata = shared
+        out = target(verify)
+        self.assertTrue(torch.equal(out.logits, ref.logits))
+        self.assertTrue(torch.equal(out.aux_hidden_states, ref.aux_hidden_states))
+        ref_block = draft(block).logits
+        block.attn_metadata = derived
+        torch.testing.assert_close(draft(block).logits, ref_block, rtol=0, atol=0)
+        # The context write takes the verify rows' rotary tables as given.
+        ctx = draft_pools.batch([1, 2], [20, 33], 6)
+        written = {}
+        for name, metadata in (("own", None), ("shared", shared)):
+            ctx.attn_metadata = metadata
+            with mock.patch.object(
+                RotaryEmbedding,
+                "cos_sin",
+                autospec=True,
+                side_effect=RotaryEmbedding.cos_sin,
+            ) as cos_sin:
+                draft.write_context(
+                    aux_hidden_states=out.aux_hidden_states, forward_batch=ctx
+                )
+            self.assertEqual(cos_sin.call_count, 0 if metadata else 1)
+            slots = ctx.out_cache_loc
+            written[name] = (
+                draft_pools.kv_pool.k[:, slots].clone(),
+                draft_pools.kv_pool.v[:, slots].clone(),
+            )
+        for own, shared_kv in zip(written["own"], written["shared"]):
+            self.assertTrue(torch.equal(own, shared_kv))
+
+    def test_engine_builds_it_once_per_step_unless_padded(self):
+        # Three requests: unpadded by default on the CPU (one metadata per
+        # step), padded to a bucket of 4 when buckets are asked for (each
+        # padded forward builds its own); the same tokens either way.
+        prompts = [[7, 3, 9, 1], [4, 4, 8], [12, 50, 2, 77, 5]]
+        outputs, builds = {}, {}
+        for name, buckets in (("unpadded", None), ("padded", [1, 2, 4])):
+            engine = Engine(
+                speculative_algorithm="DSPARK",
+                device="cpu",
+                random_seed=0,
+                max_running_requests=4,
+                cuda_graph_bs=buckets,
+            )
+            sched = engine.scheduler
+            params = SamplingParams(max_new_tokens=20)
+            reqs = [
+                Req(rid=i, origin_input_ids=ids, sampling_params=params)
+                for i, ids in enumerate(prompts)
+            ]
+            for req in reqs:
+                sched.add_request(req)
+            sched.step()  # admission: prefills and a first decode step
+            with mock.patch.object(
+                AttentionMetadata, "init_new", wraps=AttentionMetadata.init_new
+            ) as init_new:
+                sched.step()
+            builds[name] = init_new.call_count
+            while sched.has_work():
+                sched.step()
+            outputs[name] = [req.output_ids for req in reqs]
+        self.assertEqual(builds, {"unpadded": 1, "padded": 2})
+        self.assertEqual(outputs["unpadded"], outputs["padded"])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ causal; giving a whole block the same ``kv_lens`` makes it non-causal.
 
 What every layer of one forward shares is built once, at the top of the
 model's forward, in ``AttentionMetadata``: the KV slots to gather, the mask
-and the rows' rotary tables. Keys are read only up to ``kv_bound``:
+and the rows' rotary tables; or by the caller, ahead, to share it further
+(``ForwardBatch.attn_metadata``: a DSpark step builds the verify's once and
+the draft block and the context write read it). Keys are read only up to ``kv_bound``:
 eagerly the batch's longest ``kv_lens`` (one host read per forward), under
 CUDA-graph capture the table's full width, because a graph's shapes are
 static and a per-replay bound would need a device read, a sync, on every
@@ -36,7 +38,9 @@ class AttentionMetadata:
 
     kv_bound: int  # key positions read per request
     kv_slots: torch.Tensor  # [bs * kv_bound] int64, request-major KV slots
-    attn_mask: torch.Tensor  # [bs, 1, q_len, kv_bound] float: 0 seen, -inf not
+    # [bs, 1, q_len, kv_bound] float: 0 seen, -inf not; [bs, 1, 1, kv_bound]
+    # when every row of a request sees the same keys (a draft block).
+    attn_mask: torch.Tensor
     cos: torch.Tensor  # [T, 1, head_dim], the rows' rotary tables
     sin: torch.Tensor  # [T, 1, head_dim]
 

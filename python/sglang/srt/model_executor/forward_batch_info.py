@@ -20,6 +20,7 @@ import torch
 from sglang.srt.runtime_context import get_parallel
 
 if TYPE_CHECKING:
+    from sglang.srt.layers.attention import AttentionMetadata
     from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
 
 
@@ -73,6 +74,11 @@ class ForwardBatch:
     # The pools the attention reads and writes (the draft has its own KV pool).
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     token_to_kv_pool: Optional["KVPool"] = None
+    # Built by the caller for this very batch, to share it beyond one forward
+    # (the DSpark step: the verify's, also read by the draft block and the
+    # context write); None: the model builds its own. Only on a batch that
+    # runs as given (``ModelRunner.runs_as_given``): a padded one is another.
+    attn_metadata: Optional["AttentionMetadata"] = None
 
     def __post_init__(self) -> None:
         expected = self.batch_size * self.tokens_per_req

@@ -76,6 +76,10 @@ class GraphRunner:
             and 1 <= forward_batch.batch_size <= self.max_bs
         )
 
+    def runs_as_given(self, bs: int) -> bool:
+        """Eager and nothing to pad: ``run`` hands the batch itself over."""
+        return not self.use_cuda_graph and bs in self.buckets
+
     def _padded_batch(self, bs: int, with_scalar: bool) -> ForwardBatch:
         key = (bs, with_scalar)
         if key not in self._batches:
@@ -128,7 +132,7 @@ class GraphRunner:
                 f"tokens_per_req={self.tokens_per_req})"
             )
         bs = forward_batch.batch_size
-        if not self.use_cuda_graph and bs in self.buckets:
+        if self.runs_as_given(bs):
             # Eager and nothing to pad: the static buffers would hold this
             # very batch, so it runs as given (five copies fewer).
             return self.forward(forward_batch)

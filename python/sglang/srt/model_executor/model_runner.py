@@ -59,6 +59,15 @@ class ModelRunner:
         self.graph_runners.append(runner)
         return runner
 
+    def runs_as_given(self, forward_batch: ForwardBatch) -> bool:
+        """Whether ``forward`` hands this very batch to the model (eagerly,
+        unpadded), so that metadata built for it beforehand is what the
+        model reads; False when a runner pads it or replays a graph."""
+        for runner in self.graph_runners:
+            if runner.can_run(forward_batch):
+                return runner.runs_as_given(forward_batch.batch_size)
+        return True
+
     def forward(self, forward_batch: ForwardBatch) -> ModelOutput:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool

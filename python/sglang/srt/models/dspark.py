@@ -64,8 +64,9 @@ class DSparkDraftModel(nn.Module):
         # Low-rank Markov head: correction(x_prev) = W2(W1[x_prev]).
         self.markov_w1 = nn.Embedding(tcfg.vocab_size, config.markov_rank)
         self.markov_w2 = nn.Linear(config.markov_rank, tcfg.vocab_size, bias=False)
-        # The draft's own table (same positions as the target's).
-        self.rotary_emb = RotaryEmbedding(tcfg.head_dim, tcfg.max_position)
+        # The target's table, shared: the same positions rotate the same way,
+        # so the verify's gathered rows serve the context write.
+        self.rotary_emb: RotaryEmbedding = target.rotary_emb
         self._markov_table_key: Optional[Tuple[int, ...]] = None
         self._markov_table: Optional[torch.Tensor] = None
 
@@ -77,18 +78,55 @@ class DSparkDraftModel(nn.Module):
         forward_batch: ForwardBatch,  # positions and out_cache_loc of those rows
     ) -> None:
         context = self.context_norm(self.fc(aux_hidden_states))  # [T, hidden]
-        cos, sin = self.rotary_emb.cos_sin(forward_batch.positions, context.dtype)
+        metadata = forward_batch.attn_metadata  # the verify's, when shared
+        if metadata is None:
+            cos, sin = self.rotary_emb.cos_sin(forward_batch.positions, context.dtype)
+        else:
+            cos, sin = metadata.cos, metadata.sin
         for layer in self.layers:
             layer.self_attn.write_kv(
                 hidden=context, cos=cos, sin=sin, forward_batch=forward_batch
             )
 
+    def init_forward_metadata(
+        self,
+        forward_batch: ForwardBatch,
+        *,
+        verify_metadata: Optional[AttentionMetadata] = None,
+    ) -> AttentionMetadata:
+        """What the layers of a forward over this block batch share.
+
+        ``verify_metadata``: the same step's verify metadata (rows ``[bonus,
+        d_1..d_gamma]`` of the same requests; the block is its first gamma
+        positions). The block then reads its slots and bound, and its mask
+        row ``gamma - 1``, which sees exactly what every block row sees: the
+        context and the whole block. Only the rows' rotary tables are
+        gathered.
+        """
+        if verify_metadata is None:
+            return AttentionMetadata.init_new(
+                forward_batch=forward_batch,
+                rotary=self.rotary_emb,
+                dtype=self.embed_tokens.weight.dtype,
+            )
+        last = forward_batch.tokens_per_req - 1
+        cos, sin = self.rotary_emb.cos_sin(
+            forward_batch.positions, verify_metadata.cos.dtype
+        )
+        return AttentionMetadata(
+            kv_bound=verify_metadata.kv_bound,
+            kv_slots=verify_metadata.kv_slots,
+            attn_mask=verify_metadata.attn_mask[:, :, last : last + 1],
+            cos=cos,
+            sin=sin,
+        )
+
     @torch.no_grad()
     def forward(self, forward_batch: ForwardBatch) -> ModelOutput:
         hidden = self.embed_tokens(forward_batch.input_ids)  # [T, hidden]
-        metadata = AttentionMetadata.init_new(
-            forward_batch=forward_batch, rotary=self.rotary_emb, dtype=hidden.dtype
-        )
+        metadata = forward_batch.attn_metadata
+        if metadata is None:
+            metadata = self.init_forward_metadata(forward_batch)
         for layer in self.layers:
             hidden = layer(hidden, forward_batch, metadata)
         return ModelOutput(logits=self.lm_head(self.norm(hidden)))

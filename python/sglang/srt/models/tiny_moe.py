@@ -140,12 +140,20 @@ class TinyMoEForCausalLM(nn.Module):
             )
         self.layers_to_capture = ids
 
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> AttentionMetadata:
+        """What every layer of a forward over this batch shares."""
+        return AttentionMetadata.init_new(
+            forward_batch=forward_batch,
+            rotary=self.rotary_emb,
+            dtype=self.embed_tokens.weight.dtype,
+        )
+
     @torch.no_grad()
     def forward(self, forward_batch: ForwardBatch) -> ModelOutput:
         hidden = self.embed_tokens(forward_batch.input_ids)  # [T, H]
-        metadata = AttentionMetadata.init_new(
-            forward_batch=forward_batch, rotary=self.rotary_emb, dtype=hidden.dtype
-        )
+        metadata = forward_batch.attn_metadata
+        if metadata is None:
+            metadata = self.init_forward_metadata(forward_batch)
         captured = []
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, forward_batch, metadata)

@@ -38,13 +38,16 @@ def _engine(speculative_algorithm="DSPARK") -> Engine:
 
 
 def _model_forwards(engine):
-    """What counts as the model: both runners' forwards and the KV commit."""
+    """What counts as the model: both runners' forwards, the KV commit, and
+    the attention metadata the step builds ahead of the forwards."""
     worker = engine.worker
     if hasattr(worker, "proposer"):
         return [
             (worker.draft_runner, "forward"),
             (worker.target_worker.model_runner, "forward"),
             (worker.draft_model, "write_context"),
+            (worker.draft_model, "init_forward_metadata"),
+            (worker.target_worker.model, "init_forward_metadata"),
         ]
     return [(worker.model_runner, "forward")]
 
@@ -192,9 +195,9 @@ class TestGlueAllocations(CustomTestCase):
             seen.setdefault("base", out.logits.clone())
             return out
 
-        def spy_propose(*, batch, window, generator=None):
+        def spy_propose(*, batch, window, **kwargs):
             seen.setdefault("anchor", batch.last_ids.clone())
-            proposal = propose(batch=batch, window=window, generator=generator)
+            proposal = propose(batch=batch, window=window, **kwargs)
             seen.setdefault("tokens", proposal.draft_tokens.clone())
             seen.setdefault(
                 "logits", proposer._draft_logits[: batch.batch_size].clone()

@@ -108,6 +108,8 @@ def _count_decode_steps(engine) -> list:
         (worker.draft_runner, "forward"),
         (worker.target_worker.model_runner, "forward"),
         (worker.draft_model, "write_context"),
+        (worker.draft_model, "init_forward_metadata"),
+        (worker.target_worker.model, "init_forward_metadata"),
     ]
 
     def counted(*, batch):

@@ -14,6 +14,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 
 if TYPE_CHECKING:
+    from sglang.srt.layers.attention import AttentionMetadata
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.models.dspark import DSparkDraftModel
@@ -177,7 +178,12 @@ class DraftBlockProposer:
         batch: "ScheduleBatch",
         window: "VerifyWindow",
         generator: Optional[torch.Generator] = None,
+        verify_metadata: Optional["AttentionMetadata"] = None,
     ) -> DraftProposal:
+        """``verify_metadata``: the same step's verify metadata, when built
+        ahead (see ``ForwardBatch.attn_metadata``); the block then reads its
+        slots and bound, and its mask row ``gamma - 1``: every block row sees
+        the context and the whole block, as that verify row does."""
         bs, gamma = batch.batch_size, self.gamma
         if bs > self.max_batch_size:
             raise ValueError(
@@ -204,6 +210,12 @@ class DraftBlockProposer:
             ),
             num_token_non_padded_cpu=bs * gamma,
         )
+        if verify_metadata is not None and self.draft_runner.runs_as_given(
+            forward_batch
+        ):
+            forward_batch.attn_metadata = self.draft_model.init_forward_metadata(
+                forward_batch, verify_metadata=verify_metadata
+            )
         base = self.draft_runner.forward(forward_batch).logits  # [bs * gamma, V]
         v.flat_logits.copy_(base)  # each slot then adds its correction
         # DSparkDraftModel.markov_correction's arithmetic, written into the

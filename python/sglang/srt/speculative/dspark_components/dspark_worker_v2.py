@@ -144,13 +144,9 @@ class DSparkWorker:
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
         bs, gamma = batch.batch_size, self.gamma
         window = self.window(batch)
-        proposal = self.proposer.propose(
-            batch=batch, window=window, generator=self.generator
-        )
-        # The verify input [bs, gamma + 1]: bonus, d_1..d_gamma.
+        # The verify batch [bs, gamma + 1]: bonus, d_1..d_gamma, filled below
+        # (its ids are views of the buffers); built first for its metadata.
         bonus_col, draft_cols, input_ids, kv_lens, flat_kv_lens = self._cut(bs)
-        bonus_col.copy_(batch.last_ids)
-        draft_cols.copy_(proposal.draft_tokens)
         torch.add(window.positions, 1, out=kv_lens)  # causal
         forward_batch = ForwardBatch.init_new(
             forward_mode=ForwardMode.TARGET_VERIFY,
@@ -164,7 +160,24 @@ class DSparkWorker:
             capture_hidden_mode=CaptureHiddenMode.FULL,
             num_token_non_padded_buffer=self._num_token_non_padded,
         )
-        out = self.target_worker.model_runner.forward(forward_batch)
+        runner = self.target_worker.model_runner
+        if runner.runs_as_given(forward_batch):
+            # Eager and unpadded: the verify's metadata, built once, is also
+            # the draft block's (same slots and bound) and the context write's
+            # (same rows' rotary tables).
+            forward_batch.req_to_token_pool = runner.req_to_token_pool
+            forward_batch.attn_metadata = (
+                self.target_worker.model.init_forward_metadata(forward_batch)
+            )
+        proposal = self.proposer.propose(
+            batch=batch,
+            window=window,
+            generator=self.generator,
+            verify_metadata=forward_batch.attn_metadata,
+        )
+        bonus_col.copy_(batch.last_ids)
+        draft_cols.copy_(proposal.draft_tokens)
+        out = runner.forward(forward_batch)
         info = batch.sampling_info
         args = dict(
             draft_tokens=proposal.draft_tokens,
