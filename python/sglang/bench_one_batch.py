@@ -239,6 +239,9 @@ def run(args: argparse.Namespace) -> List[Dict]:
             engine.generate(  # warm up
                 input_ids=prompts[:bs], sampling_params=dict(params, max_new_tokens=4)
             )
+            # Each row draws from the seed, whatever ran before it (other rows,
+            # warm-ups, --count-ops passes): its figures do not depend on them.
+            engine.generator.manual_seed(args.seed)
         outputs = {name: [] for name in ENGINES}
         times = {name: [] for name in ENGINES}
         all_reqs = {name: [] for name in ENGINES}

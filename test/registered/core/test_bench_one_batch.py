@@ -196,6 +196,28 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertIn("greedy equal: n/a (sampling)", text)
         self.assertNotIn("aten ops", text)  # only with --count-ops
 
+    def test_a_row_draws_the_same_whatever_ran_before(self):
+        # A sampled row alone, and after another row and --count-ops passes
+        # (which draw from the engines' generators): the same draws, so the
+        # same accepted drafts and step counts.
+        rows = {}
+        with tempfile.TemporaryDirectory() as d:
+            for name, extra in (
+                ("alone", ["--batch-size", "2"]),
+                ("after", ["--batch-size", "1", "2", "--count-ops"]),
+            ):
+                path = os.path.join(d, f"{name}.json")
+                rc, _ = _main(
+                    ["--input-len", "4", "--output-len", "12", "--repeats", "1"]
+                    + ["--temperature", "0.7", "--json", path]
+                    + extra
+                )
+                self.assertEqual(rc, 0)
+                with open(path) as f:
+                    rows[name] = json.load(f)[-1]
+        for key in ("accept_length", "dspark_decode_steps", "plain_decode_steps"):
+            self.assertEqual(rows["alone"][key], rows["after"][key], key)
+
     def test_bad_arguments(self):
         for argv in (
             ["--output-len", "1"],
