@@ -31,6 +31,13 @@ drain); and whether DSpark's greedy output equals plain greedy output
 token for token (it must).
 ``--count-ops`` adds the aten ops and allocations of one decode step of
 each engine (exact counts, from OpCounter, in a separate untimed pass).
+``--phases`` adds where a decode step's time goes, in plain steps (one
+more lockstep round, with timers around each phase; its figures are not
+in the ones above): plain's forward and the rest; DSpark's verify forward,
+draft forward, the proposer's own work (the Markov head and sampling),
+acceptance, the context write and the rest (window, verify metadata,
+input ids, read-back). On CUDA each phase is synchronized before and
+after, which serializes launches: a breakdown, not a step time.
 """
 
 import argparse
@@ -41,8 +48,10 @@ import os
 import random
 import statistics
 import sys
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
 from tqdm import tqdm
 
 from sglang.srt.entrypoints.engine import Engine
@@ -51,6 +60,19 @@ from sglang.srt.utils.op_counter import OpCounter
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
 
 ENGINES = ("plain", "dspark")
+# (label, where the timed method lives) per engine, in print order; the
+# proposer's own work is propose minus the draft forward inside it.
+_PHASES = {
+    "plain": (("forward", lambda w: (w.model_runner, "forward")),),
+    "dspark": (
+        ("verify forward", lambda w: (w.target_worker.model_runner, "forward")),
+        ("draft forward", lambda w: (w.draft_runner, "forward")),
+        ("proposer", lambda w: (w.proposer, "propose")),
+        ("acceptance", lambda w: (_verify_module(), "rejection_verify_into")),
+        ("acceptance", lambda w: (_verify_module(), "verify")),
+        ("context write", lambda w: (w.draft_model, "write_context")),
+    ),
+}
 _rids = itertools.count()
 
 
@@ -195,6 +217,83 @@ def paired_mean_ratio(
     return ratio, ratio - half, ratio + half
 
 
+def _verify_module():
+    from sglang.srt.speculative.dspark_components import dspark_worker_v2
+
+    return dspark_worker_v2  # where the worker looks its verify functions up
+
+
+def _phase_round(engines: Dict[str, Engine], prompts, params: Dict, block_steps):
+    """One more lockstep round with each phase of a decode step timed (only
+    inside decode steps, prefill excluded); mean seconds per decode step by
+    engine and phase, "step" included."""
+    totals = {name: {"step": 0.0} for name in engines}
+    patched = []
+    for name, engine in engines.items():
+        worker, acc = engine.worker, totals[name]
+        inside = [False]
+        sync = (
+            torch.cuda.synchronize
+            if torch.device(engine.server_args.device).type == "cuda"
+            else (lambda: None)
+        )
+
+        def timed(label, original, acc=acc, inside=inside, sync=sync):
+            def call(*args, **kwargs):
+                if not inside[0]:
+                    return original(*args, **kwargs)
+                sync()
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    sync()
+                    acc[label] = acc.get(label, 0.0) + time.perf_counter() - start
+
+            return call
+
+        def step(*args, _original=worker.decode_step, acc=acc, inside=inside, **kw):
+            inside[0] = True
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kw)
+            finally:
+                acc["step"] += time.perf_counter() - start
+                inside[0] = False
+
+        targets = [(label, *where(worker)) for label, where in _PHASES[name]]
+        targets.append(("step", worker, "decode_step"))
+        for label, obj, attr in targets:
+            patched.append((obj, attr, obj.__dict__.get(attr)))
+            if label == "step":
+                setattr(obj, attr, step)
+            else:
+                setattr(obj, attr, timed(label, getattr(obj, attr)))
+    try:
+        with tqdm(disable=True) as bar:
+            _, times, _ = _lockstep_round(
+                engines, prompts, params, bar, block_steps=block_steps
+            )
+    finally:
+        for obj, attr, own in reversed(patched):
+            if own is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, own)
+    out = {}
+    for name, acc in totals.items():
+        steps = len(times[name])
+        labels = dict.fromkeys(label for label, _ in _PHASES[name])  # in order
+        phases = {label: acc.get(label, 0.0) / steps for label in labels}
+        if "proposer" in phases:  # its own work: the draft forward is apart
+            phases["proposer"] -= phases["draft forward"]
+        step = acc["step"] / steps
+        phases["rest"] = step - sum(phases.values())
+        phases["step"] = step
+        out[name] = phases
+    return out
+
+
 def _num_prompts(args: argparse.Namespace, bs: int) -> int:
     return 4 * bs if args.num_prompts is None else args.num_prompts
 
@@ -311,6 +410,12 @@ def run(args: argparse.Namespace) -> List[Dict]:
                 else None
             ),
         )
+        if args.phases:
+            phases = _phase_round(engines, prompts, params, args.block_steps)
+            unit = phases["plain"]["step"]
+            row["phases_plain_steps"] = {
+                name: {k: v / unit for k, v in phases[name].items()} for name in ENGINES
+            }
         if args.count_ops:
             for name, engine in engines.items():
                 for key, value in _count_ops(engine, prompts[:bs], params).items():
@@ -341,6 +446,17 @@ def _format(r: Dict) -> str:
         f"{r['dspark_rows_per_step']:.2f} dspark | "
         f"greedy equal: {'n/a (sampling)' if equal is None else equal}"
     )
+    if "phases_plain_steps" in r:
+        text += "\n       phases, in plain steps: " + " | ".join(
+            f"{name} "
+            + ", ".join(
+                f"{k} {v:.3f}"
+                for k, v in r["phases_plain_steps"][name].items()
+                if k != "step"
+            )
+            + f" (step {r['phases_plain_steps'][name]['step']:.3f})"
+            for name in ENGINES
+        )
     if "plain_ops_per_step" in r:
         text += "\n       per decode step: " + " | ".join(
             f"{name} {_fmt(r[f'{name}_ops_per_step'])} aten ops, "
@@ -414,6 +530,12 @@ def main(argv=None) -> int:
         "--count-ops",
         action="store_true",
         help="also print aten ops and allocations per decode step (OpCounter)",
+    )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also print where a decode step's time goes, in plain steps "
+        "(one more lockstep round, timed by phase)",
     )
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)

@@ -218,6 +218,49 @@ class TestBenchOneBatch(CustomTestCase):
         for key in ("accept_length", "dspark_decode_steps", "plain_decode_steps"):
             self.assertEqual(rows["alone"][key], rows["after"][key], key)
 
+    def test_phases(self):
+        # Every phase ran and took time; DSpark's phases and the rest add up
+        # to its step, in units of plain's step; the timers are gone after.
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "bench.json")
+            rc, text = _main(
+                ["--batch-size", "2", "--input-len", "4", "--output-len", "10"]
+                + ["--temperature", "0", "1", "--repeats", "1", "--phases"]
+                + ["--json", path]
+            )
+            with open(path) as f:
+                rows = json.load(f)
+        self.assertEqual(rc, 0)
+        self.assertEqual(text.count("phases, in plain steps: plain forward"), 2)
+        expected = {
+            "plain": ["forward", "rest", "step"],
+            "dspark": [
+                "verify forward",
+                "draft forward",
+                "proposer",
+                "acceptance",
+                "context write",
+                "rest",
+                "step",
+            ],
+        }
+        for row in rows:
+            phases = row["phases_plain_steps"]
+            for name, labels in expected.items():
+                with self.subTest(temperature=row["temperature"], engine=name):
+                    self.assertEqual(list(phases[name]), labels)
+                    for label in labels[:-2]:
+                        self.assertGreater(phases[name][label], 0, label)
+                    parts = sum(phases[name][k] for k in labels[:-1])
+                    self.assertAlmostEqual(parts, phases[name]["step"], places=9)
+            self.assertAlmostEqual(phases["plain"]["step"], 1.0, places=9)
+            # The DSpark step runs two forwards: more than one plain step.
+            self.assertGreater(phases["dspark"]["step"], 1.0)
+        from sglang.srt.speculative.dspark_components import dspark_worker_v2
+
+        self.assertNotIn("verify", vars(dspark_worker_v2.DSparkWorker))
+        self.assertEqual(dspark_worker_v2.verify.__name__, "verify")
+
     def test_bad_arguments(self):
         for argv in (
             ["--output-len", "1"],
