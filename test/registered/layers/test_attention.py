@@ -211,8 +211,8 @@ class TestMetadataOncePerForward(CustomTestCase):
 class TestSharedStepMetadata(CustomTestCase):
     """A DSpark step builds the verify's metadata once: the target's forward
     and the context write read it as given, and the draft block derives its
-    own from it (the verify's slots and bound, mask row gamma - 1), with the
-    same results as metadata built per forward."""
+    own from it (the verify's slots and mask row gamma - 1, up to its own
+    bound), bitwise the same results as metadata built per forward."""
 
     def test_block_and_context_write_read_the_verify_metadata(self):
         target = TinyMoEForCausalLM(CONFIG)
@@ -224,25 +224,31 @@ class TestSharedStepMetadata(CustomTestCase):
         pools, draft_pools = _Pools(), _Pools(num_layers=1)
         # As in the engine, both KV pools share one request -> slot table.
         draft_pools.req_pool = pools.req_pool
-        verify = pools.batch([1, 2], [20, 33], 6)
+        # Block bounds 7 to 39 (SDPA's sums group differently by key count).
+        for starts in ([2, 6], [20, 33], [0, 10], [9, 26], [3, 42]):
+            with self.subTest(starts=starts):
+                self._check_shared(target, draft, pools, draft_pools, starts)
+
+    def _check_shared(self, target, draft, pools, draft_pools, starts):
+        verify = pools.batch([1, 2], starts, 6)
         verify.capture_hidden_mode = CaptureHiddenMode.FULL
-        block = draft_pools.batch([1, 2], [20, 33], 5, non_causal=True)
+        block = draft_pools.batch([1, 2], starts, 5, non_causal=True)
         shared = target.init_forward_metadata(verify)
         own_block = draft.init_forward_metadata(block)
         with mock.patch.object(
             AttentionMetadata, "init_new", side_effect=AssertionError
         ):
             derived = draft.init_forward_metadata(block, verify_metadata=shared)
-        # One key column more than the block's own (the verify's last row),
-        # hidden from every block row.
-        self.assertEqual(derived.kv_bound, own_block.kv_bound + 1)
-        self.assertIs(derived.kv_slots, shared.kv_slots)
-        bound = own_block.kv_bound
-        mask = derived.attn_mask.expand(2, 1, 5, bound + 1)
-        self.assertTrue(torch.equal(mask[..., :bound], own_block.attn_mask))
-        self.assertTrue(bool((mask[..., bound] == float("-inf")).all()))
+        # The block's own keys, mask and bound, read from the verify's.
+        self.assertEqual(derived.kv_bound, shared.kv_bound - 1)
+        self.assertEqual(derived.kv_bound, own_block.kv_bound)
+        self.assertTrue(torch.equal(derived.kv_slots, own_block.kv_slots))
+        mask = derived.attn_mask.expand(own_block.attn_mask.shape)
+        self.assertTrue(torch.equal(mask, own_block.attn_mask))
         self.assertTrue(torch.equal(derived.cos, own_block.cos))
-        # Forwards with the shared metadata give what they give without it.
+        self.assertTrue(torch.equal(derived.sin, own_block.sin))
+        # Forwards with the shared metadata give bitwise what they give
+        # without it.
         ref = target(verify)
         verify.attn_metadata = shared
         out = target(verify)
@@ -250,9 +256,9 @@ class TestSharedStepMetadata(CustomTestCase):
         self.assertTrue(torch.equal(out.aux_hidden_states, ref.aux_hidden_states))
         ref_block = draft(block).logits
         block.attn_metadata = derived
-        torch.testing.assert_close(draft(block).logits, ref_block, rtol=0, atol=0)
+        self.assertTrue(torch.equal(draft(block).logits, ref_block))
         # The context write takes the verify rows' rotary tables as given.
-        ctx = draft_pools.batch([1, 2], [20, 33], 6)
+        ctx = draft_pools.batch([1, 2], starts, 6)
         written = {}
         for name, metadata in (("own", None), ("shared", shared)):
             ctx.attn_metadata = metadata
@@ -273,6 +279,19 @@ class TestSharedStepMetadata(CustomTestCase):
             )
         for own, shared_kv in zip(written["own"], written["shared"]):
             self.assertTrue(torch.equal(own, shared_kv))
+
+    def test_verify_metadata_of_another_shape_is_refused(self):
+        target = TinyMoEForCausalLM(CONFIG)
+        draft = DSparkDraftModel(DSparkDraftConfig(), target)
+        pools = _Pools()
+        block = pools.batch([1, 2], [4, 9], 5, non_causal=True)
+        for rows, q_len in (([1], 6), ([1, 2], 5), ([1, 2, 3], 6)):
+            with self.subTest(requests=len(rows), q_len=q_len):
+                other = target.init_forward_metadata(
+                    pools.batch(rows, [4, 9, 2][: len(rows)], q_len)
+                )
+                with self.assertRaisesRegex(ValueError, "does not fit a block"):
+                    draft.init_forward_metadata(block, verify_metadata=other)
 
     def test_engine_builds_it_once_per_step_unless_padded(self):
         # Three requests: unpadded by default on the CPU (one metadata per

@@ -372,6 +372,37 @@ class _RunnerChecks:
 
 
 class TestGraphRunnerCPU(_RunnerChecks, CustomTestCase):
+    def test_runs_as_given(self):
+        # Whether ModelRunner hands this very batch to the model: eagerly an
+        # exact bucket fit or no fitting runner; never a padded batch, and
+        # never under CUDA graphs (a replay reads the static buffers).
+        w = self.world
+        model_runner = ModelRunner(
+            forward=w.model.forward,
+            req_to_token_pool=w.req_pool,
+            token_to_kv_pool=w.kv_pool,
+            device="cpu",
+            bucket_sizes=BUCKETS,
+            use_cuda_graph=False,
+        )
+        runner = model_runner.add_graph_runner(
+            forward_mode=ForwardMode.DECODE, tokens_per_req=1
+        )
+        cases = (
+            ([0, 1], 1, True),  # fills bucket 2
+            ([0, 1, 2], 1, False),  # padded to 4
+            (list(range(9)), 1, True),  # past the largest bucket: eager
+            ([0, 1, 2], WINDOW, True),  # no runner for it: eager
+        )
+        for graphs in (False, True):
+            runner.use_cuda_graph = graphs  # the flag alone: nothing runs
+            for reqs, q, eager in cases:
+                with self.subTest(graphs=graphs, bs=len(reqs), tokens_per_req=q):
+                    fits = q == 1 and len(reqs) <= 8
+                    expected = eager and not (graphs and fits)
+                    batch = w.step_batch(reqs, q)
+                    self.assertEqual(model_runner.runs_as_given(batch), expected)
+
     def test_no_buckets_runs_every_batch_as_given(self):
         # The CPU default (ServerArgs leaves cuda_graph_bs None without
         # graphs): no runner, so a bs-3 batch reaches the model as 3 requests.

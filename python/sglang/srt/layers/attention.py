@@ -8,7 +8,8 @@ What every layer of one forward shares is built once, at the top of the
 model's forward, in ``AttentionMetadata``: the KV slots to gather, the mask
 and the rows' rotary tables; or by the caller, ahead, to share it further
 (``ForwardBatch.attn_metadata``: a DSpark step builds the verify's once and
-the draft block and the context write read it). Keys are read only up to ``kv_bound``:
+the draft block and the context write read it; the block reads the
+verify's slots and mask up to its own bound, one key less). Keys are read only up to ``kv_bound``:
 eagerly the batch's longest ``kv_lens`` (one host read per forward), under
 CUDA-graph capture the table's full width, because a graph's shapes are
 static and a per-replay bound would need a device read, a sync, on every
@@ -34,7 +35,8 @@ def kv_read_bound(*, kv_lens: torch.Tensor, width: int, capturing: bool) -> int:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Built once per forward by the model, read by every layer."""
+    """Built once per forward by the model (or ahead, by a caller that shares
+    it: ``ForwardBatch.attn_metadata``), read by every layer."""
 
     kv_bound: int  # key positions read per request
     kv_slots: torch.Tensor  # [bs * kv_bound] int64, request-major KV slots

@@ -97,10 +97,13 @@ class DSparkDraftModel(nn.Module):
         """What the layers of a forward over this block batch share.
 
         ``verify_metadata``: the same step's verify metadata (rows ``[bonus,
-        d_1..d_gamma]`` of the same requests; the block is its first gamma
-        positions). The block then reads its slots and bound, and its mask
-        row ``gamma - 1``, which sees exactly what every block row sees: the
-        context and the whole block. Only the rows' rotary tables are
+        d_1..d_gamma]`` of the same requests, causal; the block is their
+        first gamma positions). Every block row sees the context and the
+        whole block: what verify row ``gamma - 1`` sees, one key less than
+        the verify's last row. So the block reads the verify's slots and
+        mask row ``gamma - 1`` up to the verify's bound minus one, its own
+        bound: the same keys, mask and bound as metadata built for the
+        block, bitwise the same attention. Its own rotary tables are
         gathered.
         """
         if verify_metadata is None:
@@ -109,14 +112,21 @@ class DSparkDraftModel(nn.Module):
                 rotary=self.rotary_emb,
                 dtype=self.embed_tokens.weight.dtype,
             )
-        last = forward_batch.tokens_per_req - 1
-        cos, sin = self.rotary_emb.cos_sin(
-            forward_batch.positions, verify_metadata.cos.dtype
-        )
+        bs, q_len = forward_batch.batch_size, forward_batch.tokens_per_req
+        mask = verify_metadata.attn_mask  # [bs, 1, q_len + 1, verify bound]
+        if mask.shape[0] != bs or mask.shape[2] != q_len + 1:
+            raise ValueError(
+                f"verify metadata for {mask.shape[0]} requests x {mask.shape[2]} "
+                f"rows does not fit a block of {bs} x {q_len} (needs "
+                f"{bs} x {q_len + 1})"
+            )
+        bound = verify_metadata.kv_bound - 1
+        cos, sin = self.rotary_emb.cos_sin(forward_batch.positions, mask.dtype)
         return AttentionMetadata(
-            kv_bound=verify_metadata.kv_bound,
-            kv_slots=verify_metadata.kv_slots,
-            attn_mask=verify_metadata.attn_mask[:, :, last : last + 1],
+            kv_bound=bound,
+            # [bs, verify bound] -> its first `bound` columns, copied once.
+            kv_slots=verify_metadata.kv_slots.view(bs, -1)[:, :bound].reshape(-1),
+            attn_mask=mask[:, :, q_len - 1 : q_len, :bound],
             cos=cos,
             sin=sin,
         )
