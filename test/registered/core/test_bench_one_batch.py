@@ -30,7 +30,7 @@ class TestBenchOneBatch(CustomTestCase):
             path = os.path.join(d, "bench.json")
             rc, text = _main(
                 ["--batch-size", "1", "3", "--input-len", "8", "--output-len", "9"]
-                + ["--repeats", "2", "--count-ops", "--json", path]
+                + ["--count-ops", "--json", path]
                 + ["--temperature", "0", "--model-path", "random-tiny-moe"]
             )
             with open(path) as f:
@@ -38,7 +38,8 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertEqual(rc, 0)
         self.assertEqual([r["batch_size"] for r in rows], [1, 3])
         for r in rows:
-            self.assertEqual(r["num_prompts"], 4 * r["batch_size"])  # the default
+            # The defaults: 16 prompts per request slot, 2 rounds.
+            self.assertEqual(r["num_prompts"], 16 * r["batch_size"])
             self.assertTrue(r["greedy_output_equal"])
             self.assertEqual(r["gamma"], 5)
             self.assertEqual(r["repeats"], 2)
@@ -50,9 +51,9 @@ class TestBenchOneBatch(CustomTestCase):
                 self.assertGreater(r[f"{name}_ops_per_step"], 20)
                 self.assertGreater(r[f"{name}_allocs_per_step"], 0)
                 self.assertLess(r[f"{name}_allocs_per_step"], r[f"{name}_ops_per_step"])
-            # Plain decoding: 4 waves of the batch, 8 decode steps each, per
+            # Plain decoding: 16 waves of the batch, 8 decode steps each, per
             # round (the first token is prefill's); DSpark needs at most as many.
-            self.assertEqual(r["plain_decode_steps"], 2 * 4 * 8)
+            self.assertEqual(r["plain_decode_steps"], 2 * 16 * 8)
             self.assertLessEqual(r["dspark_decode_steps"], r["plain_decode_steps"])
             # Blocks of 16 steps: a pair per turn in which both engines decoded.
             self.assertEqual(r["block_steps"], 16)
