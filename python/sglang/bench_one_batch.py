@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
-from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.op_counter import OpCounter, routed
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
 
 ENGINES = ("plain", "dspark")
@@ -233,7 +233,7 @@ def _phase_round(engines: Dict[str, Engine], prompts, params: Dict, block_steps)
     inside decode steps, prefill excluded); mean seconds per decode step by
     engine and phase, "step" included."""
     totals = {name: {"step": 0.0} for name in engines}
-    patched = []
+    replacements = []
     for name, engine in engines.items():
         worker, acc = engine.worker, totals[name]
         inside = [False]
@@ -266,25 +266,14 @@ def _phase_round(engines: Dict[str, Engine], prompts, params: Dict, block_steps)
                 acc["step"] += time.perf_counter() - start
                 inside[0] = False
 
-        targets = [(label, *where(worker)) for label, where in _PHASES[name]]
-        targets.append(("step", worker, "decode_step"))
-        for label, obj, attr in targets:
-            patched.append((obj, attr, obj.__dict__.get(attr)))
-            if label == "step":
-                setattr(obj, attr, step)
-            else:
-                setattr(obj, attr, timed(label, getattr(obj, attr)))
-    try:
-        with tqdm(disable=True) as bar:
-            _, times, _ = _lockstep_round(
-                engines, prompts, params, bar, block_steps=block_steps
-            )
-    finally:
-        for obj, attr, own in reversed(patched):
-            if own is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, own)
+        for label, where in _PHASES[name]:
+            obj, attr = where(worker)
+            replacements.append((obj, attr, timed(label, getattr(obj, attr))))
+        replacements.append((worker, "decode_step", step))
+    with routed(replacements), tqdm(disable=True) as bar:
+        _, times, _ = _lockstep_round(
+            engines, prompts, params, bar, block_steps=block_steps
+        )
     out = {}
     for name, acc in totals.items():
         steps = len(times[name])

@@ -91,6 +91,16 @@ def _full_width_attention(q, layer, fb: ForwardBatch) -> torch.Tensor:
     return out.transpose(1, 2).reshape(bs * q_len, HEADS * DIM)
 
 
+def _target_and_draft():
+    """The random tiny target (capturing layers 1 and 2) and its draft."""
+    target = TinyMoEForCausalLM(CONFIG)
+    init_random_weights(target, seed=0)
+    target.set_layers_to_capture((1, 2))
+    draft = DSparkDraftModel(DSparkDraftConfig(), target)
+    init_random_weights(draft, seed=1)
+    return target, draft
+
+
 class TestBoundedReads(CustomTestCase):
     def setUp(self):
         super().setUp()
@@ -171,11 +181,7 @@ class TestMetadataOncePerForward(CustomTestCase):
         return init_new.call_count, cos_sin.call_count, ops.by_op
 
     def test_target_and_draft(self):
-        target = TinyMoEForCausalLM(CONFIG)
-        init_random_weights(target, seed=0)
-        target.set_layers_to_capture((1, 2))
-        draft = DSparkDraftModel(DSparkDraftConfig(), target)
-        init_random_weights(draft, seed=1)
+        target, draft = _target_and_draft()
         pools, draft_pools = _Pools(), _Pools(num_layers=1)
         verify = pools.batch([1, 2], [20, 33], 6)
         verify.capture_hidden_mode = CaptureHiddenMode.FULL
@@ -215,11 +221,7 @@ class TestSharedStepMetadata(CustomTestCase):
     bound), bitwise the same results as metadata built per forward."""
 
     def test_block_and_context_write_read_the_verify_metadata(self):
-        target = TinyMoEForCausalLM(CONFIG)
-        init_random_weights(target, seed=0)
-        target.set_layers_to_capture((1, 2))
-        draft = DSparkDraftModel(DSparkDraftConfig(), target)
-        init_random_weights(draft, seed=1)
+        target, draft = _target_and_draft()
         self.assertIs(draft.rotary_emb, target.rotary_emb)
         pools, draft_pools = _Pools(), _Pools(num_layers=1)
         # As in the engine, both KV pools share one request -> slot table.

@@ -146,6 +146,16 @@ class _World:
             use_cuda_graph=use_cuda_graph,
         )
 
+    def model_runner(self, *, bucket_sizes=BUCKETS, use_cuda_graph=False):
+        return ModelRunner(
+            forward=self.model.forward,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            device=self.device,
+            bucket_sizes=bucket_sizes,
+            use_cuda_graph=use_cuda_graph,
+        )
+
     def kv(self):
         return self.kv_pool.k.clone(), self.kv_pool.v.clone()
 
@@ -339,14 +349,7 @@ class _RunnerChecks:
 
     def test_model_runner_picks_runner_or_eager(self):
         w = self.world
-        model_runner = ModelRunner(
-            forward=w.model.forward,
-            req_to_token_pool=w.req_pool,
-            token_to_kv_pool=w.kv_pool,
-            device=w.device,
-            bucket_sizes=BUCKETS,
-            use_cuda_graph=self.use_cuda_graph,
-        )
+        model_runner = w.model_runner(use_cuda_graph=self.use_cuda_graph)
         runner = model_runner.add_graph_runner(
             forward_mode=ForwardMode.DECODE, tokens_per_req=1
         )
@@ -377,14 +380,7 @@ class TestGraphRunnerCPU(_RunnerChecks, CustomTestCase):
         # exact bucket fit or no fitting runner; never a padded batch, and
         # never under CUDA graphs (a replay reads the static buffers).
         w = self.world
-        model_runner = ModelRunner(
-            forward=w.model.forward,
-            req_to_token_pool=w.req_pool,
-            token_to_kv_pool=w.kv_pool,
-            device="cpu",
-            bucket_sizes=BUCKETS,
-            use_cuda_graph=False,
-        )
+        model_runner = w.model_runner()
         runner = model_runner.add_graph_runner(
             forward_mode=ForwardMode.DECODE, tokens_per_req=1
         )
@@ -407,14 +403,7 @@ class TestGraphRunnerCPU(_RunnerChecks, CustomTestCase):
         # The CPU default (ServerArgs leaves cuda_graph_bs None without
         # graphs): no runner, so a bs-3 batch reaches the model as 3 requests.
         w = self.world
-        model_runner = ModelRunner(
-            forward=w.model.forward,
-            req_to_token_pool=w.req_pool,
-            token_to_kv_pool=w.kv_pool,
-            device="cpu",
-            bucket_sizes=None,
-            use_cuda_graph=False,
-        )
+        model_runner = w.model_runner(bucket_sizes=None)
         self.assertIsNone(
             model_runner.add_graph_runner(
                 forward_mode=ForwardMode.DECODE, tokens_per_req=1
@@ -427,14 +416,7 @@ class TestGraphRunnerCPU(_RunnerChecks, CustomTestCase):
         self.assertEqual(model_runner.forward(batch), "out")
         self.assertEqual(seen, [3])
         with self.assertRaisesRegex(ValueError, "CUDA graphs need bucket sizes"):
-            ModelRunner(
-                forward=w.model.forward,
-                req_to_token_pool=w.req_pool,
-                token_to_kv_pool=w.kv_pool,
-                device="cpu",
-                bucket_sizes=None,
-                use_cuda_graph=True,
-            )
+            w.model_runner(bucket_sizes=None, use_cuda_graph=True)
 
     def test_bad_buckets(self):
         for buckets in ([], [0, 2], [-1]):

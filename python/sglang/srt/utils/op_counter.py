@@ -17,7 +17,7 @@ nested counter, so a step's own glue is the outer count minus the inner one.
 
 from collections import Counter
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -75,6 +75,25 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextmanager
+def routed(replacements: Sequence[Tuple[object, str, Callable]]) -> Iterator[None]:
+    """Set ``obj.name = fn`` for each replacement, and put back on exit what
+    was there: an instance attribute (e.g. another spy) as it was, else
+    nothing, so the class's method shows through again."""
+    saved = []
+    try:
+        for obj, name, fn in replacements:
+            saved.append((obj, name, obj.__dict__.get(name)))
+            setattr(obj, name, fn)
+        yield
+    finally:
+        for obj, name, own in reversed(saved):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+
+
+@contextmanager
 def count_calls(targets: Sequence[Tuple[object, str]]) -> Iterator[OpCounter]:
     """Count every call of ``getattr(obj, name)`` for each target in one counter.
 
@@ -85,28 +104,19 @@ def count_calls(targets: Sequence[Tuple[object, str]]) -> Iterator[OpCounter]:
     """
     inner = OpCounter()
     depth = [0]  # a counted call inside another is counted once
-    saved = []
-    for obj, name in targets:
-        original = getattr(obj, name)
-        # An instance attribute (e.g. another spy) is put back as it was.
-        saved.append((obj, name, obj.__dict__.get(name)))
 
-        def counted(*args, _original=original, **kwargs):
+    def counted_call(original):
+        def counted(*args, **kwargs):
             if depth[0]:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             depth[0] += 1
             try:
                 with inner:
-                    return _original(*args, **kwargs)
+                    return original(*args, **kwargs)
             finally:
                 depth[0] -= 1
 
-        setattr(obj, name, counted)
-    try:
+        return counted
+
+    with routed([(obj, n, counted_call(getattr(obj, n))) for obj, n in targets]):
         yield inner
-    finally:
-        for obj, name, own in reversed(saved):
-            if own is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, own)
