@@ -82,8 +82,9 @@ def routed(replacements: Sequence[Tuple[object, str, Callable]]) -> Iterator[Non
     saved = []
     try:
         for obj, name, fn in replacements:
-            saved.append((obj, name, obj.__dict__.get(name)))
+            own = obj.__dict__.get(name)
             setattr(obj, name, fn)
+            saved.append((obj, name, own))  # only what was set is put back
         yield
     finally:
         for obj, name, own in reversed(saved):
