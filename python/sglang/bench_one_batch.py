@@ -34,7 +34,8 @@ each engine (exact counts, from OpCounter, in a separate untimed pass).
 ``--phases`` adds where a decode step's time goes, in plain steps (one
 more lockstep round, with timers around each phase; its figures are not
 in the ones above): plain's forward and the rest; DSpark's verify forward,
-draft forward, the proposer's own work (the Markov head and sampling),
+draft forward, the proposer's own work (the block's inputs and metadata,
+the Markov head and sampling),
 acceptance, the context write and the rest (window, verify metadata,
 input ids, read-back). On CUDA each phase is synchronized before and
 after, which serializes launches: a breakdown, not a step time.

@@ -10,7 +10,7 @@ import tempfile
 import unittest
 from unittest import mock
 
-from sglang import bench_one_batch
+from sglang import Engine, bench_one_batch
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
@@ -257,10 +257,45 @@ class TestBenchOneBatch(CustomTestCase):
             self.assertAlmostEqual(phases["plain"]["step"], 1.0, places=9)
             # The DSpark step runs two forwards: more than one plain step.
             self.assertGreater(phases["dspark"]["step"], 1.0)
-        from sglang.srt.speculative.dspark_components import dspark_worker_v2
 
-        self.assertNotIn("verify", vars(dspark_worker_v2.DSparkWorker))
-        self.assertEqual(dspark_worker_v2.verify.__name__, "verify")
+    def test_phase_timers_are_removed(self):
+        # After a phase round (also one that raises) the workers' methods are
+        # the classes' again and the worker module's verify functions its own.
+        from sglang.srt.speculative.dspark_components import (
+            dspark_verify,
+            dspark_worker_v2,
+        )
+
+        engines = {
+            "plain": Engine(random_seed=0, max_running_requests=2),
+            "dspark": Engine(
+                speculative_algorithm="DSPARK", random_seed=0, max_running_requests=2
+            ),
+        }
+        prompts = [[3, 1, 4, 1], [5, 9, 2]]
+        params = {"max_new_tokens": 8, "temperature": 1.0}
+        phases = bench_one_batch._phase_round(engines, prompts, params, 4)
+        self.assertGreater(phases["dspark"]["verify forward"], 0)
+        with mock.patch.object(
+            bench_one_batch, "_lockstep_round", side_effect=KeyboardInterrupt
+        ):
+            with self.assertRaises(KeyboardInterrupt):
+                bench_one_batch._phase_round(engines, prompts, params, 4)
+        for engine in engines.values():
+            worker = engine.worker
+            objs = [worker, getattr(worker, "model_runner", None)]
+            if hasattr(worker, "proposer"):
+                objs += [
+                    worker.proposer,
+                    worker.draft_runner,
+                    worker.draft_model,
+                    worker.target_worker.model_runner,
+                ]
+            for obj in filter(None, objs):
+                for name in ("decode_step", "forward", "propose", "write_context"):
+                    self.assertNotIn(name, vars(obj), (type(obj).__name__, name))
+        for name in ("verify", "rejection_verify_into"):
+            self.assertIs(getattr(dspark_worker_v2, name), getattr(dspark_verify, name))
 
     def test_bad_arguments(self):
         for argv in (

@@ -51,6 +51,7 @@ class TestRouted(CustomTestCase):
         model = _Model()
         spy = lambda x: "spy"  # noqa: E731 (an instance attribute already set)
         model.inner = spy
+        model.hook = None  # an attribute that is None is one all the same
         module = types.ModuleType("m")
         module.f = len
         replacements = [
@@ -58,6 +59,7 @@ class TestRouted(CustomTestCase):
             (model, "inner", lambda x: "b"),
             (module, "f", lambda x: "c"),
             (module, "f", lambda x: "d"),  # the same attribute twice
+            (model, "hook", print),
         ]
         with routed(replacements):
             self.assertEqual(
@@ -66,6 +68,8 @@ class TestRouted(CustomTestCase):
         self.assertNotIn("forward", vars(model))
         self.assertIs(model.inner, spy)
         self.assertIs(module.f, len)
+        self.assertIn("hook", vars(model))
+        self.assertIsNone(model.hook)
 
     def test_a_failure_midway_puts_back_the_ones_set(self):
         obj = _NoSetting()
@@ -75,6 +79,13 @@ class TestRouted(CustomTestCase):
                 self.fail("not reached")
         self.assertEqual(obj.kept, 1)
         self.assertNotIn("frozen", vars(obj))
+
+    def test_a_failing_restore_does_not_skip_the_others(self):
+        first, second = _Model(), _Model()
+        with self.assertRaises(AttributeError):
+            with routed([(first, "forward", None), (second, "forward", None)]):
+                del second.forward  # its restore (a delattr) now fails
+        self.assertNotIn("forward", vars(first))  # restored all the same
 
     def test_an_exception_inside_puts_everything_back(self):
         model = _Model()

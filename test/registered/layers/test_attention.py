@@ -226,7 +226,7 @@ class TestSharedStepMetadata(CustomTestCase):
         pools, draft_pools = _Pools(), _Pools(num_layers=1)
         # As in the engine, both KV pools share one request -> slot table.
         draft_pools.req_pool = pools.req_pool
-        # Block bounds 7 to 39 (SDPA's sums group differently by key count).
+        # Block bounds 11 to 47 (SDPA's sums group differently by key count).
         for starts in ([2, 6], [20, 33], [0, 10], [9, 26], [3, 42]):
             with self.subTest(starts=starts):
                 self._check_shared(target, draft, pools, draft_pools, starts)

@@ -124,7 +124,8 @@ class DSparkDraftModel(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(forward_batch.positions, mask.dtype)
         return AttentionMetadata(
             kv_bound=bound,
-            # [bs, verify bound] -> its first `bound` columns, copied once.
+            # [bs, verify bound] -> its first `bound` columns: a copy (at bs 1
+            # a view, read only).
             kv_slots=verify_metadata.kv_slots.view(bs, -1)[:, :bound].reshape(-1),
             attn_mask=mask[:, :, q_len - 1 : q_len, :bound],
             cos=cos,

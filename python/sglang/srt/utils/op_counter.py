@@ -74,24 +74,34 @@ class OpCounter(TorchDispatchMode):
         }
 
 
+_MISSING = object()
+
+
 @contextmanager
 def routed(replacements: Sequence[Tuple[object, str, Callable]]) -> Iterator[None]:
     """Set ``obj.name = fn`` for each replacement, and put back on exit what
     was there: an instance attribute (e.g. another spy) as it was, else
-    nothing, so the class's method shows through again."""
+    nothing, so the class's method shows through again. Every restore is
+    tried; the first that fails is raised after the others."""
     saved = []
     try:
         for obj, name, fn in replacements:
-            own = obj.__dict__.get(name)
+            own = obj.__dict__.get(name, _MISSING)
             setattr(obj, name, fn)
             saved.append((obj, name, own))  # only what was set is put back
         yield
     finally:
+        failed = None
         for obj, name, own in reversed(saved):
-            if own is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, own)
+            try:
+                if own is _MISSING:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, own)
+            except Exception as e:  # keep restoring the rest
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
 
 @contextmanager

@@ -182,8 +182,9 @@ class DraftBlockProposer:
     ) -> DraftProposal:
         """``verify_metadata``: the same step's verify metadata, when built
         ahead (see ``ForwardBatch.attn_metadata``); the block then reads its
-        slots and bound, and its mask row ``gamma - 1``: every block row sees
-        the context and the whole block, as that verify row does."""
+        slots and its mask row ``gamma - 1`` up to the block's own bound, one
+        key less: every block row sees the context and the whole block, as
+        that verify row does (``DSparkDraftModel.init_forward_metadata``)."""
         bs, gamma = batch.batch_size, self.gamma
         if bs > self.max_batch_size:
             raise ValueError(

@@ -162,9 +162,10 @@ class DSparkWorker:
         )
         runner = self.target_worker.model_runner
         if runner.runs_as_given(forward_batch):
-            # Eager and unpadded: the verify's metadata, built once, is also
-            # the draft block's (same slots and bound) and the context write's
-            # (same rows' rotary tables).
+            # Eager and unpadded: the verify's metadata, built once, also
+            # serves the draft block (its slots and mask, up to the block's
+            # bound, one key less) and the context write (the same rows'
+            # rotary tables).
             forward_batch.req_to_token_pool = runner.req_to_token_pool
             forward_batch.attn_metadata = (
                 self.target_worker.model.init_forward_metadata(forward_batch)
