@@ -188,5 +188,33 @@ class TestDeterminism(CustomTestCase):
             self.assertEqual(o["meta_info"]["completion_tokens"], 16)
 
 
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+class TestEagerCUDA(CustomTestCase):
+    """On CUDA without graphs every batch runs as given, so the DSpark step
+    shares the verify's attention metadata with the draft block (its mask a
+    strided [bs, 1, 1, L] view) and the context write, as on the CPU: the
+    greedy output still equals plain greedy output."""
+
+    def test_shared_metadata_on_cuda(self):
+        kw = dict(
+            device="cuda",
+            random_seed=0,
+            max_running_requests=8,
+            disable_cuda_graph=True,
+        )
+        plain = Engine(speculative_algorithm=None, **kw)
+        dspark = Engine(speculative_algorithm="DSPARK", **kw)
+        self.assertEqual(dspark.worker.target_worker.model_runner.graph_runners, [])
+        for bs in (1, 3, 8):
+            with self.subTest(bs=bs):
+                prompts = make_prompts(bs, seed=bs)
+                params = {"max_new_tokens": 24}
+                ref = plain.generate(input_ids=prompts, sampling_params=params)
+                outs = dspark.generate(input_ids=prompts, sampling_params=params)
+                self.assertEqual(
+                    [o["output_ids"] for o in outs], [o["output_ids"] for o in ref]
+                )
+
+
 if __name__ == "__main__":
     unittest.main()
