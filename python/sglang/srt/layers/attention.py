@@ -9,8 +9,8 @@ model's forward, in ``AttentionMetadata``: the KV slots to gather, the mask
 and the rows' rotary tables; or by the caller, ahead, to share it further
 (``ForwardBatch.attn_metadata``: a DSpark step builds the verify's once and
 the draft block and the context write read it; the block reads the
-verify's slots and mask up to its own bound, one key less). Keys are read only up to ``kv_bound``:
-eagerly the batch's longest ``kv_lens`` (one host read per forward), under
+verify's slots and mask up to its own bound, one key less). Keys are read
+only up to ``kv_bound``: eagerly the batch's longest ``kv_lens`` (one host read per forward), under
 CUDA-graph capture the table's full width, because a graph's shapes are
 static and a per-replay bound would need a device read, a sync, on every
 step (on a GPU the extra gather is cheap next to the launch it would stall).
