@@ -97,6 +97,7 @@ class TrainConfig:
     # Minus this times the expected accepted drafts per block, sum over k of
     # prod_{j <= k} sum_x min(p_j(x), q_j(x)): the quantity verify rewards.
     accept_weight: float = 0.5
+    markov_rank: int = 16  # the draft's Markov head (DSparkDraftConfig)
     min_anchor: int = 8  # the first block needs some context
     eval_seqs: int = 64
     eval_prompt_len: int = 64
@@ -404,7 +405,10 @@ def distill_loss(
 
 
 def new_draft(cfg: TrainConfig, target: TinyMoEForCausalLM) -> DSparkDraftModel:
-    draft = DSparkDraftModel(DSparkDraftConfig(mask_token_id=MASK_BYTE), target)
+    draft = DSparkDraftModel(
+        DSparkDraftConfig(mask_token_id=MASK_BYTE, markov_rank=cfg.markov_rank),
+        target,
+    )
     init_random_weights(_draft_own(draft), cfg.seed + 1)
     init_draft_from_target(draft, target)
     return draft
@@ -566,6 +570,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a few steps of each phase (CI)")
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--markov-rank", type=int, default=None)
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--restart", action="store_true", help="clear --work-dir first")
     p.add_argument(
@@ -573,7 +578,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     cfg = replace(TINY if args.tiny else TrainConfig(), seed=args.seed)
-    for name in ("target_steps", "draft_steps"):
+    for name in ("target_steps", "draft_steps", "markov_rank"):
         if getattr(args, name) is not None:
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -582,7 +587,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.num_threads)
     work = args.work_dir or os.path.join(
         tempfile.gettempdir(),
-        f"sglang_train_tiny_pair_s{cfg.seed}_t{cfg.target_steps}_d{cfg.draft_steps}",
+        f"sglang_train_tiny_pair_s{cfg.seed}_t{cfg.target_steps}_d{cfg.draft_steps}"
+        f"_m{cfg.markov_rank}",
     )
     if args.restart and os.path.isdir(work):
         shutil.rmtree(work)

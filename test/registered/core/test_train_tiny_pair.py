@@ -6,6 +6,7 @@ reads; a tiny run end to end writes loadable checkpoints, and a resumed run
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -226,9 +227,28 @@ class TestTrainTinyPair(CustomTestCase):
         self.assertIn("draft: resuming at step", log)
         self.assertEqual(_weights(out), first)
 
+    def test_markov_rank_reaches_the_checkpoint(self):
+        out, work = self._dirs("rank")
+        _run("--output-dir", out, "--work-dir", work, "--markov-rank", "8")
+        for name in (TARGET_NAME, DRAFT_NAME):
+            with open(os.path.join(out, name, "config.json")) as f:
+                self.assertEqual(json.load(f)["dspark_markov_rank"], 8)
+        draft = Engine(
+            model_path=os.path.join(out, TARGET_NAME),
+            speculative_algorithm="DSPARK",
+            device="cpu",
+        ).worker.draft_model
+        self.assertEqual(draft.markov_w1.weight.shape, (256, 8))
+        self.assertEqual(draft.markov_w2.weight.shape, (256, 8))
+
     def test_bad_steps_are_rejected(self):
-        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
-            main(["--tiny", "--target-steps", "0"])
+        for flag in ("--target-steps", "--draft-steps", "--markov-rank"):
+            with (
+                self.subTest(flag=flag),
+                self.assertRaises(SystemExit),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
+                main(["--tiny", flag, "0"])
 
 
 if __name__ == "__main__":
