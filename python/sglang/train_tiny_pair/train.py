@@ -570,7 +570,12 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a few steps of each phase (CI)")
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--draft-steps", type=int, default=None)
-    p.add_argument("--markov-rank", type=int, default=None)
+    p.add_argument(
+        "--markov-rank",
+        type=int,
+        default=None,
+        help="rank of the draft's Markov head (default 16, as shipped)",
+    )
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--restart", action="store_true", help="clear --work-dir first")
     p.add_argument(
