@@ -7,10 +7,11 @@ import unittest
 import torch
 
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
+register_cuda_ci(est_time=5, stage="base-b", runner_config="1-gpu-large")
 
 HEAD_DIM, MAX_POS, BASE = 16, 64, 10000.0
 
@@ -48,6 +49,18 @@ class TestRotaryEmbedding(CustomTestCase):
         out = apply_rotary(qkv[:, :12], cos, sin)
         self.assertTrue(torch.equal(out, _neox(self.positions, qkv[:, :12].clone())))
         self.assertTrue(torch.equal(out[:, 6:], _neox(self.positions, qkv[:, 6:12])))
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+    def test_cuda_equals_the_cpu_on_a_strided_view(self):
+        # CUDA swaps the halves with a flip, the CPU with a roll: the same
+        # values, and the same elementwise products and sums after.
+        qkv = torch.randn(
+            11, 3 * 6, HEAD_DIM, generator=torch.Generator().manual_seed(5)
+        )
+        cos, sin = self.rope.cos_sin(self.positions)
+        on_cpu = apply_rotary(qkv[:, :12], cos, sin)
+        on_cuda = apply_rotary(qkv.cuda()[:, :12], cos.cuda(), sin.cuda())
+        self.assertTrue(torch.equal(on_cuda.cpu(), on_cpu))
 
     def test_tables(self):
         cos, sin = self.rope.cos_sin(self.positions)
