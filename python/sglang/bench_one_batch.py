@@ -37,8 +37,11 @@ in the ones above): plain's forward and the rest; DSpark's verify forward,
 draft forward, the proposer's own work (the block's inputs and metadata,
 the Markov head and sampling),
 acceptance, the context write and the rest (window, verify metadata,
-input ids, read-back). On CUDA each phase is synchronized before and
-after, which serializes launches: a breakdown, not a step time.
+input ids, read-back); and the speedup DSpark would reach if only its
+two forwards cost time (this run's tokens per step over their cost), a
+bound no change outside the forwards can pass. On CUDA each phase is
+synchronized before and after, which serializes launches: a breakdown,
+not a step time.
 """
 
 import argparse
@@ -413,6 +416,10 @@ def run(args: argparse.Namespace) -> List[Dict]:
             row["phases_plain_steps"] = {
                 name: {k: v / unit for k, v in phases[name].items()} for name in ENGINES
             }
+            spec = row["phases_plain_steps"]["dspark"]
+            row["speedup_forwards_only"] = gain / (
+                spec["verify forward"] + spec["draft forward"]
+            )
         if args.count_ops:
             for name, engine in engines.items():
                 for key, value in _count_ops(engine, prompts[:bs], params).items():
@@ -453,6 +460,10 @@ def _format(r: Dict) -> str:
             )
             + f" (step {r['phases_plain_steps'][name]['step']:.3f})"
             for name in ENGINES
+        )
+        text += (
+            f" | speedup if only the forwards cost time "
+            f"{r['speedup_forwards_only']:.3f}x"
         )
     if "plain_ops_per_step" in r:
         text += "\n       per decode step: " + " | ".join(

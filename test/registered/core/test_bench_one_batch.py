@@ -257,6 +257,20 @@ class TestBenchOneBatch(CustomTestCase):
             self.assertAlmostEqual(phases["plain"]["step"], 1.0, places=9)
             # The DSpark step runs two forwards: more than one plain step.
             self.assertGreater(phases["dspark"]["step"], 1.0)
+            # The bound: this run's tokens-per-step gain over the two
+            # forwards' cost, above the speedup (the rest of the step costs).
+            forwards = phases["dspark"]["verify forward"]
+            forwards += phases["dspark"]["draft forward"]
+            self.assertAlmostEqual(
+                row["speedup_forwards_only"],
+                row["tokens_per_step_ratio"] / forwards,
+                places=12,
+            )
+            self.assertGreater(
+                row["speedup_forwards_only"],
+                row["tokens_per_step_ratio"] / phases["dspark"]["step"],
+            )
+        self.assertEqual(text.count("speedup if only the forwards cost time"), 2)
 
     def test_phase_timers_are_removed(self):
         # After a phase round (also one that raises) the workers' methods are
