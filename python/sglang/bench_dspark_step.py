@@ -3,15 +3,15 @@
     python -m sglang.bench_dspark_step --concurrency 1 8 --steps-per-capture 128
 
 Three variants of the ``num_token_non_padded`` handling run in ONE process,
-interleaved block by block (the order rotates every repeat):
+one engine each, interleaved block by block (the order rotates every
+repeat). They differ only in the draft worker's proposer, a component the
+bench composes into each engine (no library code is patched):
 
-- ``before``: no scalar anywhere on the draft/verify path;
+- ``before``: upstream before the change: the draft block carries no scalar;
 - ``after``: the regression: the proposer builds
   ``torch.tensor(n, dtype=torch.int32).to(device, non_blocking=True)`` every
-  step, also at EP size 1 (reproduced here by patching the helper for the
-  length of a block; never in the library). At EP 1 nothing reads it, as
-  upstream (its graph runner copies the scalar only under the predicate), so
-  the only difference is the build itself: the cost the seed measured;
+  step, also at EP size 1. At EP 1 nothing reads it, as upstream, so the
+  only difference is the build itself: the cost the seed measured;
 - ``fixed``: the library as shipped.
 
 A block is one capture: ``C`` requests run greedy on fixed prompts, each
@@ -41,18 +41,19 @@ import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
-from unittest import mock
+from typing import Callable, Dict, List, Optional
 
 import torch
 from tqdm import tqdm
 
+from sglang.bench_stats import median_ratio
 from sglang.srt.distributed.parallel_state import get_open_port
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
-from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.speculative.dspark_components import dspark_draft
-from sglang.srt.utils.op_counter import OpCounter, count_calls
+from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.phases import PhaseRecorder
 
 VARIANTS = ("before", "after", "fixed")
 # Every order in turn: over 6 repeats each variant runs first, second and
@@ -69,30 +70,47 @@ def regressed_make_num_token_non_padded(num_tokens, device, *, out=None):
     return scalar if dspark_draft.enable_num_token_non_padded() else None
 
 
-def _no_scalar(num_tokens, device, *, out=None):
-    return None
+class BeforeProposer(DraftBlockProposer):
+    """``before``: the draft block carries no scalar."""
+
+    def prepare(self, *, views, batch, scalar) -> None:
+        views.draft_batch.num_token_non_padded = None
 
 
-@contextmanager
-def variant(name: str) -> Iterator[None]:
-    """Run the enclosed steps as ``name``; module attributes restored on exit."""
+class AfterProposer(DraftBlockProposer):
+    """``after``: a new scalar every step; when EP > 1 reads it, copied into
+    the step's buffer (what a graph runner does with it before a replay)."""
+
+    def prepare(self, *, views, batch, scalar) -> None:
+        built = regressed_make_num_token_non_padded(
+            batch.batch_size * self.gamma, self.device
+        )
+        views.draft_batch.num_token_non_padded = (
+            None if built is None else scalar.copy_(built)
+        )
+
+
+PROPOSERS = {
+    "before": BeforeProposer,
+    "after": AfterProposer,
+    "fixed": DraftBlockProposer,
+}
+
+
+def with_proposer(engine: Engine, name: str) -> Engine:
+    """``engine`` with its DSpark worker's proposer made the variant's."""
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
-    with ExitStack() as stack:
-        helper = {"before": _no_scalar, "after": regressed_make_num_token_non_padded}
-        if name in helper:
-            stack.enter_context(
-                mock.patch.object(
-                    dspark_draft, "_make_num_token_non_padded", helper[name]
-                )
-            )
-        if name == "before":  # the verify batch is built by ForwardBatch.init_new
-            stack.enter_context(
-                mock.patch.object(
-                    forward_batch_info, "enable_num_token_non_padded", lambda: False
-                )
-            )
-        yield
+    worker = engine.worker
+    old = worker.proposer
+    worker.proposer = PROPOSERS[name](
+        draft_model=old.draft_model,
+        draft_runner=old.draft_runner,
+        config=worker.config,
+        device=old.device,
+        spans=old.spans,
+    )
+    return engine
 
 
 @dataclass(frozen=True)
@@ -116,8 +134,12 @@ class StepCounts:
 
 
 class _Bench:
-    def __init__(self, args: argparse.Namespace, concurrency: int) -> None:
-        self.args, self.concurrency = args, concurrency
+    """One variant's engine and the blocks it runs."""
+
+    def __init__(
+        self, args: argparse.Namespace, concurrency: int, variant: str
+    ) -> None:
+        self.args, self.concurrency, self.variant = args, concurrency, variant
         self.engine = Engine(
             speculative_algorithm="DSPARK",
             model_path=args.model_path,
@@ -131,6 +153,7 @@ class _Bench:
             num_threads=args.num_threads,
             dist_timeout=args.ep_timeout,  # the engine builds its EP groups with it
         )
+        with_proposer(self.engine, variant)
         self.is_cuda = self.engine.server_args.device.startswith("cuda")
         rng = random.Random(args.seed)
         vocab = self.engine.vocab_size
@@ -211,33 +234,34 @@ class _Bench:
             batch_sizes=sizes,
         )
 
-    def count(self, name: str) -> StepCounts:
-        """Exact counts over ``--count-steps`` steady-state decode steps."""
-        worker, k = self.engine.worker, self.args.count_steps
+    def count(self) -> StepCounts:
+        """Exact counts over ``--count-steps`` steady-state decode steps,
+        through the worker's phase spans (the model's own compute apart)."""
+        spans, k = self.engine.worker.spans, self.args.count_steps
         totals: Counter = Counter()
         by_op: Counter = Counter()
         sites: List[str] = []
-        forwards = [
-            (worker.draft_runner, "forward"),
-            (worker.target_worker.model_runner, "forward"),
-            (worker.draft_model, "write_context"),
-            (worker.draft_model, "init_forward_metadata"),
-            (worker.target_worker.model, "init_forward_metadata"),
-        ]
 
         @contextmanager
         def counted_step():
-            with count_calls(forwards) as model, OpCounter() as step:
-                yield
+            with OpCounter() as step:
+                spans.hook = recorder = PhaseRecorder(counter=step)
+                try:
+                    yield
+                finally:
+                    spans.hook = None
             totals.update(step.counts())
-            totals["glue_allocs"] += step.allocs - model.allocs
+            model = sum(
+                recorder.totals.get(n, {}).get("allocs", 0)
+                for n in self.engine.worker.MODEL_SPANS
+            )
+            totals["glue_allocs"] += step.allocs - model
             by_op.update(step.by_op)
             sites.extend(step.int32_scalar_sites)
 
-        with variant(name):
-            block = self.run_block(
-                max_new_tokens=self.args.output_len, steps=k, per_step=counted_step
-            )
+        block = self.run_block(
+            max_new_tokens=self.args.output_len, steps=k, per_step=counted_step
+        )
         n = max(len(block.step_s), 1)
         return StepCounts(
             int32_scalars=totals["int32_scalars"] / n,
@@ -277,30 +301,6 @@ def scalar_cost_us(device: str, calls: int = 2000, rounds: int = 5) -> Dict:
     return {name: 1e6 * t for name, t in best.items()}
 
 
-def paired_ratio(num: Sequence[float], den: Sequence[float]) -> Dict:
-    """Median of the per-block ratios num/den and its distribution-free 95% CI.
-
-    The CI is a pair of order statistics (the sign-test interval): it holds
-    for any noise distribution, so one loaded moment on a shared machine
-    cannot fake a result; it needs at least 6 blocks. ``resolvable``: the
-    CI excludes 1.
-    """
-    ratios = [a / b for a, b in zip(num, den)]
-    ordered, n = sorted(ratios), len(ratios)
-    out = {"ratios": ratios, "median": statistics.median(ratios)}
-    # Largest k with P(Binomial(n, 1/2) < k) <= 2.5%: [x_(k), x_(n + 1 - k)].
-    k, tail = 0, 0.0
-    while k < n and tail + math.comb(n, k) / 2**n <= 0.025:
-        tail += math.comb(n, k) / 2**n
-        k += 1
-    if k == 0:
-        return dict(out, ci95=None, coverage=None, resolvable=False)
-    lo, hi = ordered[k - 1], ordered[n - k]
-    return dict(
-        out, ci95=[lo, hi], coverage=1 - 2 * tail, resolvable=not lo <= 1.0 <= hi
-    )
-
-
 def _sub(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
     keys = sorted(set(a) | set(b))
     return {k: a.get(k, 0) - b.get(k, 0) for k in keys if a.get(k, 0) != b.get(k, 0)}
@@ -319,12 +319,12 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
         disable=rank != 0,
     )
     for c in args.concurrency:
-        b = _Bench(args, c)
-        # Warm-up: allocator, lazy padded batches and graph captures per variant.
-        for name in VARIANTS:
-            with variant(name):
-                b.run_block(max_new_tokens=args.output_len, steps=2)
-        counts = {name: b.count(name) for name in VARIANTS}
+        benches = {name: _Bench(args, c, name) for name in VARIANTS}
+        b = benches["fixed"]
+        # Warm-up: allocator and caches per variant.
+        for bench_ in benches.values():
+            bench_.run_block(max_new_tokens=args.output_len, steps=2)
+        counts = {name: benches[name].count() for name in VARIANTS}
         blocks = {name: [] for name in VARIANTS}
         reference = None
         equal = True
@@ -332,24 +332,22 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
             order = ORDERS[r % len(ORDERS)]
             for name in order:
                 bar.set_postfix_str(f"C={c} {name}")
-                with variant(name):
-                    block = b.run_block(
-                        max_new_tokens=args.output_len,
-                        steps=per_block,
-                        on_step=lambda: bar.update(1),
-                    )
+                block = benches[name].run_block(
+                    max_new_tokens=args.output_len,
+                    steps=per_block,
+                    on_step=lambda: bar.update(1),
+                )
                 blocks[name].append(block)
                 reference = reference or block.output_ids
                 equal = equal and block.output_ids == reference
         if args.profile:
             for name in VARIANTS:
                 prof = torch.profiler.profile(activities=_activities(b.is_cuda))
-                with variant(name):
-                    b.run_block(
-                        max_new_tokens=args.output_len,
-                        steps=args.profile_steps,
-                        window=prof,
-                    )
+                benches[name].run_block(
+                    max_new_tokens=args.output_len,
+                    steps=args.profile_steps,
+                    window=prof,
+                )
                 suffix = f"_rank{rank}" if args.ep_size > 1 else ""
                 path = os.path.join(
                     args.profile, f"dspark_step_c{c}_{name}{suffix}.json"
@@ -373,8 +371,8 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
                 "reduction_vs_after_pct": 100
                 * (ms["after"] - ms["fixed"])
                 / ms["after"],
-                "after_over_fixed": paired_ratio(means["after"], means["fixed"]),
-                "before_over_fixed": paired_ratio(means["before"], means["fixed"]),
+                "after_over_fixed": median_ratio(means["after"], means["fixed"]),
+                "before_over_fixed": median_ratio(means["before"], means["fixed"]),
                 "timed_steps_per_block": len(timed.step_s),
                 "full_batch_steps": sum(s == c for s in timed.batch_sizes),
                 "counts": {name: asdict(v) for name, v in counts.items()},

@@ -47,20 +47,20 @@ not a step time.
 import argparse
 import itertools
 import json
-import math
 import os
 import random
 import statistics
 import sys
-import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from tqdm import tqdm
 
+from sglang.bench_stats import geometric_mean_ratio, mean_ratio
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
-from sglang.srt.utils.op_counter import OpCounter, routed
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.phases import PhaseRecorder
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
 
 ENGINES = ("plain", "dspark")
@@ -69,19 +69,6 @@ ENGINES = ("plain", "dspark")
 # accepted length of 3.03-3.08 at T=1 where the held-out set's is 3.14 (16
 # prompts: 3.15), and a round's draining tail weighs less.
 PROMPTS_PER_REQUEST_SLOT = 16
-# (label, where the timed method lives) per engine, in print order; the
-# proposer's own work is propose minus the draft forward inside it.
-_PHASES = {
-    "plain": (("forward", lambda w: (w.model_runner, "forward")),),
-    "dspark": (
-        ("verify forward", lambda w: (w.target_worker.model_runner, "forward")),
-        ("draft forward", lambda w: (w.draft_runner, "forward")),
-        ("proposer", lambda w: (w.proposer, "propose")),
-        ("acceptance", lambda w: (_verify_module(), "rejection_verify_into")),
-        ("acceptance", lambda w: (_verify_module(), "verify")),
-        ("context write", lambda w: (w.draft_model, "write_context")),
-    ),
-}
 _rids = itertools.count()
 
 
@@ -94,31 +81,6 @@ def make_prompts(
         [rng.randrange(vocab_size - 1) for _ in range(input_len)]
         for _ in range(batch_size)
     ]
-
-
-def _t_quantile_975(df: int) -> float:
-    """Student's t 97.5% quantile (Cornish-Fisher series; within 1% from df=2)."""
-    z = 1.959963984540054
-    g = (
-        (z**3 + z) / 4,
-        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
-        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
-        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
-    )
-    return z + sum(gi / df ** (i + 1) for i, gi in enumerate(g))
-
-
-def paired_ratio(
-    pairs: Sequence[Tuple[float, float]],
-) -> Tuple[float, Optional[float], Optional[float]]:
-    """(b / a) over (a, b) pairs: the geometric mean of the ratios and its 95%
-    t-interval; no interval from fewer than 3 pairs."""
-    logs = [math.log(b / a) for a, b in pairs]
-    mean = statistics.fmean(logs)
-    if len(logs) < 3:
-        return math.exp(mean), None, None
-    half = _t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def _submit(engine: Engine, prompts, params: Dict) -> List[Req]:
@@ -174,8 +136,10 @@ def _committed(reqs: List[Req]) -> int:
 
 
 def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
-    """Mean aten ops and allocations of a decode step with the whole batch
-    running: the first ``steps`` decode steps after the batch's prefill.
+    """Mean aten ops, allocations and host reads of a decode step with the
+    whole batch running: the first ``steps`` decode steps after the batch's
+    prefill. Host reads are counted before the output phase (whose read of
+    the tokens is the step's one), through the worker's phase spans.
 
     The counted requests get enough ``max_new_tokens`` that none finishes
     inside them, even when a draft accepts every token (a step commits up
@@ -189,106 +153,54 @@ def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
     max_new = min((steps + 1) * per_step + 1, room - engine.worker.lookahead)
     reqs = _submit(engine, prompts, dict(params, max_new_tokens=max(1, max_new)))
     counts = []
+    spans = engine.worker.spans
     try:
         scheduler.step()  # admission and prefill, then the first decode step
         for _ in range(steps):
             if len(scheduler.running) != len(reqs):
                 break
             with OpCounter() as c:
+                spans.hook = recorder = PhaseRecorder(counter=c)
                 scheduler.step()
+            spans.hook = None
+            output = recorder.totals.get("output", {}).get("host_reads", 0)
             if len(scheduler.running) == len(reqs):
-                counts.append((c.ops, c.allocs))
+                counts.append((c.ops, c.allocs, c.host_reads - output))
     finally:
+        spans.hook = None
         scheduler.abort_requests(reqs)
         scheduler.decode_step_times.clear()
+    keys = ("ops_per_step", "allocs_per_step", "host_reads_per_step")
     if not counts:
-        return {"ops_per_step": None, "allocs_per_step": None}
-    return {
-        "ops_per_step": statistics.fmean(c[0] for c in counts),
-        "allocs_per_step": statistics.fmean(c[1] for c in counts),
-    }
-
-
-def paired_mean_ratio(
-    pairs: Sequence[Tuple[float, float]],
-) -> Tuple[float, Optional[float], Optional[float]]:
-    """sum(b) / sum(a) over (a, b) pairs, the ratio of mean step costs that
-    throughput follows, and its 95% interval (the ratio estimator's delta
-    method: residuals b - R a); no interval from fewer than 3 pairs."""
-    n = len(pairs)
-    mean_a = statistics.fmean(a for a, _ in pairs)
-    ratio = statistics.fmean(b for _, b in pairs) / mean_a
-    if n < 3:
-        return ratio, None, None
-    residuals = [b - ratio * a for a, b in pairs]
-    se = math.sqrt(sum(r * r for r in residuals) / (n - 1) / n) / mean_a
-    half = _t_quantile_975(n - 1) * se
-    return ratio, ratio - half, ratio + half
-
-
-def _verify_module():
-    from sglang.srt.speculative.dspark_components import dspark_worker_v2
-
-    return dspark_worker_v2  # where the worker looks its verify functions up
+        return dict.fromkeys(keys)
+    return {key: statistics.fmean(c[i] for c in counts) for i, key in enumerate(keys)}
 
 
 def _phase_round(engines: Dict[str, Engine], prompts, params: Dict, block_steps):
-    """One more lockstep round with each phase of a decode step timed (only
-    inside decode steps, prefill excluded); mean seconds per decode step by
-    engine and phase, "step" included."""
-    totals = {name: {"step": 0.0} for name in engines}
-    replacements = []
+    """One more lockstep round with each engine's phase spans timed (a hook
+    on its worker: the code that runs is the code timed). Seconds per
+    decode step by engine and span, and "step": the decode step as the
+    scheduler times it, from outside the worker (an independent total)."""
+    recorders = {}
     for name, engine in engines.items():
-        worker, acc = engine.worker, totals[name]
-        inside = [False]
-        sync = (
-            torch.cuda.synchronize
-            if torch.device(engine.server_args.device).type == "cuda"
-            else (lambda: None)
-        )
-
-        def timed(label, original, acc=acc, inside=inside, sync=sync):
-            def call(*args, **kwargs):
-                if not inside[0]:
-                    return original(*args, **kwargs)
-                sync()
-                start = time.perf_counter()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    sync()
-                    acc[label] = acc.get(label, 0.0) + time.perf_counter() - start
-
-            return call
-
-        def step(*args, _original=worker.decode_step, acc=acc, inside=inside, **kw):
-            inside[0] = True
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kw)
-            finally:
-                acc["step"] += time.perf_counter() - start
-                inside[0] = False
-
-        for label, where in _PHASES[name]:
-            obj, attr = where(worker)
-            replacements.append((obj, attr, timed(label, getattr(obj, attr))))
-        replacements.append((worker, "decode_step", step))
-    with routed(replacements), tqdm(disable=True) as bar:
-        _, times, _ = _lockstep_round(
-            engines, prompts, params, bar, block_steps=block_steps
-        )
+        cuda = torch.device(engine.server_args.device).type == "cuda"
+        recorders[name] = PhaseRecorder(sync=torch.cuda.synchronize if cuda else None)
+    try:
+        for name, engine in engines.items():
+            engine.worker.spans.hook = recorders[name]
+        with tqdm(disable=True) as bar:
+            _, times, _ = _lockstep_round(
+                engines, prompts, params, bar, block_steps=block_steps
+            )
+    finally:
+        for engine in engines.values():
+            engine.worker.spans.hook = None
     out = {}
-    for name, acc in totals.items():
+    for name, recorder in recorders.items():
         steps = len(times[name])
-        labels = dict.fromkeys(label for label, _ in _PHASES[name])  # in order
-        phases = {label: acc.get(label, 0.0) / steps for label in labels}
-        if "proposer" in phases:  # its own work: the draft forward is apart
-            phases["proposer"] -= phases["draft forward"]
-        step = acc["step"] / steps
-        phases["rest"] = step - sum(phases.values())
-        phases["step"] = step
-        out[name] = phases
+        spans = {k: t["seconds"] / steps for k, t in recorder.totals.items()}
+        spans["step"] = statistics.fmean(times[name])
+        out[name] = spans
     return out
 
 
@@ -382,21 +294,21 @@ def run(args: argparse.Namespace) -> List[Dict]:
             # last requests drain (DSpark's finish at different steps).
             row_steps = sum(r.spec_verify_ct for r in all_reqs[name])
             row[f"{name}_rows_per_step"] = row_steps / len(times[name])
-        ratio, lo, hi = paired_ratio(pairs)
+        ratio, lo, hi = geometric_mean_ratio(pairs)
         # Speedup = (tokens per step, this run's counts) / (mean step cost of
         # DSpark over plain's, on the paired steps: both timed under the same
         # conditions). Its interval is the step times' only.
         gain = tokens_per_step["dspark"] / tokens_per_step["plain"]
-        mean_ratio, mean_lo, mean_hi = paired_mean_ratio(pairs)
+        cost_ratio, mean_lo, mean_hi = mean_ratio(pairs)
         verify_ct = sum(r.spec_verify_ct for r in all_reqs["dspark"])
         accepted = sum(r.spec_accepted_drafts for r in all_reqs["dspark"])
         row.update(
             step_pairs=len(pairs),
             step_cost_ratio=ratio,
             step_cost_ratio_ci95=[lo, hi],
-            step_cost_mean_ratio=mean_ratio,
+            step_cost_mean_ratio=cost_ratio,
             tokens_per_step_ratio=gain,
-            speedup=gain / mean_ratio,
+            speedup=gain / cost_ratio,
             speedup_ci95=(
                 [None, None] if mean_lo is None else [gain / mean_hi, gain / mean_lo]
             ),
@@ -417,6 +329,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
                 name: {k: v / unit for k, v in phases[name].items()} for name in ENGINES
             }
             spec = row["phases_plain_steps"]["dspark"]
+            model = sum(spec.get(k, 0.0) for k in dspark.worker.MODEL_SPANS)
+            row["dspark_model_share"] = model / spec["step"]
             row["speedup_forwards_only"] = gain / (
                 spec["verify forward"] + spec["draft forward"]
             )
@@ -425,23 +339,23 @@ def run(args: argparse.Namespace) -> List[Dict]:
                 for key, value in _count_ops(engine, prompts[:bs], params).items():
                     row[f"{name}_{key}"] = value
         rows.append(row)
-        print(_format(row), flush=True)
+        print(_format(row, engines), flush=True)
     return rows
 
 
-def _format(r: Dict) -> str:
+def _format(r: Dict, engines: Dict[str, Engine]) -> str:
     equal = r["greedy_output_equal"]
     lo, hi = r["step_cost_ratio_ci95"]
     ci = "n/a" if lo is None else f"[{lo:.3f}, {hi:.3f}]"
     s_lo, s_hi = r["speedup_ci95"]
     speedup_ci = "" if s_lo is None else f" [{s_lo:.3f}, {s_hi:.3f}]"
-    engines = " | ".join(
+    per_engine = " | ".join(
         f"{name} {r[f'{name}_tokens_per_s']:7.1f} tok/s "
         f"{r[f'{name}_mean_step_ms']:.3f} ms/step"
         for name in ENGINES
     )
     text = (
-        f"T={r['temperature']:g} bs={r['batch_size']:<3} {engines} | step cost "
+        f"T={r['temperature']:g} bs={r['batch_size']:<3} {per_engine} | step cost "
         f"dspark/plain {r['step_cost_ratio']:.3f} {ci} ({r['step_pairs']} pairs) | "
         f"tokens/step {r['tokens_per_step_ratio']:.2f}x / mean step cost "
         f"{r['step_cost_mean_ratio']:.3f} = speedup "
@@ -451,24 +365,31 @@ def _format(r: Dict) -> str:
         f"greedy equal: {'n/a (sampling)' if equal is None else equal}"
     )
     if "phases_plain_steps" in r:
-        text += "\n       phases, in plain steps: " + " | ".join(
-            f"{name} "
-            + ", ".join(
-                f"{k} {v:.3f}"
-                for k, v in r["phases_plain_steps"][name].items()
-                if k != "step"
+        for name in ENGINES:
+            phases, worker = r["phases_plain_steps"][name], engines[name].worker
+            inner = [k for k in worker.MODEL_SPANS if k not in worker.PHASES]
+            text += (
+                f"\n       {name} phases, in plain steps: "
+                + ", ".join(f"{k} {phases.get(k, 0.0):.3f}" for k in worker.PHASES)
+                + (
+                    " (model: "
+                    + ", ".join(f"{k} {phases.get(k, 0.0):.3f}" for k in inner)
+                    + ")"
+                    if inner
+                    else ""
+                )
+                + f"; step {phases['step']:.3f}"
             )
-            + f" (step {r['phases_plain_steps'][name]['step']:.3f})"
-            for name in ENGINES
-        )
         text += (
-            f" | speedup if only the forwards cost time "
+            f"\n       DSpark model compute share {r['dspark_model_share']:.3f} | "
+            f"speedup if only the forwards cost time "
             f"{r['speedup_forwards_only']:.3f}x"
         )
     if "plain_ops_per_step" in r:
         text += "\n       per decode step: " + " | ".join(
             f"{name} {_fmt(r[f'{name}_ops_per_step'])} aten ops, "
-            f"{_fmt(r[f'{name}_allocs_per_step'])} allocations"
+            f"{_fmt(r[f'{name}_allocs_per_step'])} allocations, "
+            f"{_fmt(r[f'{name}_host_reads_per_step'])} host reads before the output"
             for name in ENGINES
         )
     return text

@@ -42,11 +42,11 @@ class OracleProposer:
         corrupt: Callable[[Req, int, int], bool],
     ):
         self.references, self.gamma, self.corrupt = references, gamma, corrupt
+        self._rows: List[List[int]] = []
 
-    def propose(
-        self, *, batch, window, generator=None, verify_metadata=None
-    ) -> DraftProposal:
-        rows = []
+    def prepare(self, *, views, batch, scalar) -> None:
+        """On the host, from the requests: this step's block per request."""
+        self._rows = []
         for req in batch.reqs:
             ref = self.references[tuple(req.origin_input_ids)]
             done = len(req.output_ids)  # the last one is the anchor
@@ -56,9 +56,14 @@ class OracleProposer:
                 if self.corrupt(req, req.spec_verify_ct, k):
                     tok = (tok + 1) % VOCAB
                 row.append(tok)
-            rows.append(row)
-        tokens = torch.tensor(rows, device=batch.last_ids.device)
-        return DraftProposal(draft_tokens=tokens, draft_logits=None, block_ids=tokens)
+            self._rows.append(row)
+
+    def propose(self, *, views, mode) -> DraftProposal:
+        drafts = views.drafts[: len(self._rows)]  # padded rows keep anything
+        drafts.copy_(torch.tensor(self._rows, device=drafts.device))
+        return DraftProposal(
+            draft_tokens=views.drafts, draft_probs=None, block_ids=views.drafts
+        )
 
 
 class TestDSparkMatchesPlainGreedy(CustomTestCase):

@@ -174,25 +174,9 @@ class TestBenchDSparkStep(CustomTestCase):
         for name in bench_dspark_step.VARIANTS:  # first, second, third twice each
             self.assertEqual(sorted(o.index(name) for o in orders), [0, 0, 1, 1, 2, 2])
 
-    def test_paired_ratio(self):
-        paired = bench_dspark_step.paired_ratio
-        slower = paired([1.1, 2.2, 3.3, 4.4, 5.5, 6.6], [1, 2, 3, 4, 5, 6])
-        self.assertAlmostEqual(slower["median"], 1.1)
-        self.assertAlmostEqual(slower["ci95"][0], 1.1)
-        self.assertTrue(slower["resolvable"])
-        noisy = paired([0.9, 1.1, 1.0, 1.2, 0.95, 1.05], [1.0] * 6)
-        self.assertEqual(noisy["ci95"], [0.9, 1.2])
-        self.assertFalse(noisy["resolvable"])
-        # 10 blocks: the 2nd and 9th order statistics, coverage 1 - 22/1024.
-        ten = paired(list(range(1, 11)), [1.0] * 10)
-        self.assertEqual(ten["ci95"], [2.0, 9.0])
-        self.assertAlmostEqual(ten["coverage"], 1 - 22 / 1024)
-        self.assertIsNone(paired([1.0] * 5, [1.0] * 5)["ci95"])  # < 6 blocks
-
     def test_unknown_variant(self):
         with self.assertRaisesRegex(ValueError, "'later'"):
-            with bench_dspark_step.variant("later"):
-                pass
+            bench_dspark_step.with_proposer(None, "later")
 
 
 class TestBenchDSparkStepEP2(CustomTestCase):

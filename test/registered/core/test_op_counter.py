@@ -1,99 +1,93 @@
-"""OpCounter counts what torch dispatches; count_calls counts chosen methods'
-ops in a nested counter (a counted call inside another once); routed puts
-back whatever it replaced, also when it fails midway."""
+"""OpCounter counts what torch dispatches (ops, allocations, host reads);
+PhaseSpans and PhaseRecorder observe named spans of the code that runs,
+without patching it."""
 
-import types
+import time
 import unittest
 
 import torch
 
-from sglang.srt.utils.op_counter import OpCounter, count_calls, routed
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.phases import PhaseRecorder, PhaseSpans
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=1, suite="base-a-test-cpu")
 
 
-class _Model:
-    def forward(self, x):
-        return self.inner(x) + 1  # one add here, one mul inside
+class TestOpCounter(CustomTestCase):
+    def test_ops_allocations_and_views(self):
+        x, out = torch.ones(4), torch.zeros(4)
+        with OpCounter() as c:
+            y = x * 2  # a new tensor
+            torch.add(x, y, out=out)  # written in place: no allocation
+            out.view(2, 2)  # a view: an op, no allocation
+        self.assertEqual((c.ops, c.allocs), (3, 1))
+        self.assertEqual(c.by_op["aten::mul.Tensor"], 1)
 
-    def inner(self, x):
-        return x * 2
+    def test_host_reads(self):
+        x = torch.arange(6)
+        with OpCounter() as c:
+            int(x.max())  # max, then _local_scalar_dense
+            x.nonzero()
+            torch.equal(x, x)
+            bool(x[0])
+            x.sum()  # stays a tensor: no read
+        self.assertEqual(c.host_reads, 4)
+        self.assertEqual(c.counts()["host_reads"], 4)
+
+    def test_int32_scalars(self):
+        with OpCounter() as c:
+            torch.tensor(3, dtype=torch.int32)
+            torch.zeros((), dtype=torch.int32)
+            torch.zeros(2, dtype=torch.int32)  # not 0-dim
+        self.assertEqual(c.int32_scalars, 2)
+        self.assertEqual(c.int32_scalar_sites, ["aten::lift_fresh", "aten::zeros"])
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+    def test_copies_to_and_from_the_device(self):
+        host = torch.ones(4)
+        with OpCounter() as c:
+            dev = host.to("cuda")
+            dev.cpu()
+        self.assertEqual((c.h2d_copies, c.host_reads), (1, 1))
 
 
-class _NoSetting:
-    """Takes any attribute but ``frozen``."""
+class TestPhaseSpans(CustomTestCase):
+    def test_no_hook_is_a_shared_noop(self):
+        spans = PhaseSpans()
+        self.assertIs(spans("a"), spans("b"))
+        with spans("a"):
+            pass
 
-    def __setattr__(self, name, value):
-        if name == "frozen":
-            raise AttributeError("frozen")
-        super().__setattr__(name, value)
+    def test_recorder_times_and_counts_nested_spans(self):
+        spans, x = PhaseSpans(), torch.ones(3)
+        with OpCounter() as c:
+            spans.hook = recorder = PhaseRecorder(counter=c)
+            for _ in range(2):
+                with spans("outer"):
+                    x.add(1)
+                    with spans("inner"):
+                        x.mul(2)
+                        time.sleep(0.002)
+                x.sub(1)  # outside every span
+            spans.hook = None
+        totals = recorder.totals
+        self.assertEqual(totals["outer"]["ops"], 4)  # its own and inner's
+        self.assertEqual(totals["inner"]["ops"], 2)
+        self.assertEqual(totals["inner"]["allocs"], 2)
+        self.assertEqual(c.ops - totals["outer"]["ops"], 2)
+        self.assertGreaterEqual(totals["inner"]["seconds"], 0.004)
+        self.assertGreaterEqual(totals["outer"]["seconds"], totals["inner"]["seconds"])
 
-
-class TestCountCalls(CustomTestCase):
-    def test_glue_is_outer_minus_inner(self):
-        model, x = _Model(), torch.ones(3)
-        with count_calls([(model, "forward"), (model, "inner")]) as inner:
-            with OpCounter() as outer:
-                model.forward(x)  # counted: add and mul; inner() nested, once
-                x.sub(1)  # glue
-        self.assertEqual(inner.ops, 2)
-        self.assertEqual(outer.ops, 3)
-        self.assertEqual(outer.allocs - inner.allocs, 1)
-        # The class's methods show through again.
-        self.assertNotIn("forward", vars(model))
-        self.assertNotIn("inner", vars(model))
-
-
-class TestRouted(CustomTestCase):
-    def test_puts_back_what_was_there(self):
-        model = _Model()
-        spy = lambda x: "spy"  # noqa: E731 (an instance attribute already set)
-        model.inner = spy
-        model.hook = None  # an attribute that is None is one all the same
-        module = types.ModuleType("m")
-        module.f = len
-        replacements = [
-            (model, "forward", lambda x: "a"),
-            (model, "inner", lambda x: "b"),
-            (module, "f", lambda x: "c"),
-            (module, "f", lambda x: "d"),  # the same attribute twice
-            (model, "hook", print),
-        ]
-        with routed(replacements):
-            self.assertEqual(
-                (model.forward(0), model.inner(0), module.f(0)), ("a", "b", "d")
-            )
-        self.assertNotIn("forward", vars(model))
-        self.assertIs(model.inner, spy)
-        self.assertIs(module.f, len)
-        self.assertIn("hook", vars(model))
-        self.assertIsNone(model.hook)
-
-    def test_a_failure_midway_puts_back_the_ones_set(self):
-        obj = _NoSetting()
-        obj.kept = 1
-        with self.assertRaisesRegex(AttributeError, "frozen"):
-            with routed([(obj, "kept", 2), (obj, "frozen", 3)]):
-                self.fail("not reached")
-        self.assertEqual(obj.kept, 1)
-        self.assertNotIn("frozen", vars(obj))
-
-    def test_a_failing_restore_does_not_skip_the_others(self):
-        first, second = _Model(), _Model()
-        with self.assertRaises(AttributeError):
-            with routed([(first, "forward", None), (second, "forward", None)]):
-                del second.forward  # its restore (a delattr) now fails
-        self.assertNotIn("forward", vars(first))  # restored all the same
-
-    def test_an_exception_inside_puts_everything_back(self):
-        model = _Model()
+    def test_a_span_that_raises_is_still_closed(self):
+        spans = PhaseSpans()
+        spans.hook = recorder = PhaseRecorder(sync=lambda: None)
         with self.assertRaises(KeyError):
-            with routed([(model, "forward", None)]):
+            with spans("a"):
                 raise KeyError("inside")
-        self.assertNotIn("forward", vars(model))
-        self.assertEqual(model.forward(torch.ones(1)).item(), 3.0)
+        self.assertGreater(recorder.totals["a"]["seconds"], 0)
+        self.assertNotIn("ops", recorder.totals["a"])  # no counter given
 
 
 if __name__ == "__main__":

@@ -55,10 +55,12 @@ class TestTrainingForwardMatchesEngine(CustomTestCase):
             )
             return out
 
-        def propose_spy(**kwargs):
-            p = propose(**kwargs)
-            start = int(kwargs["window"].positions[0, 0])
-            proposals.append((start, p.draft_tokens.clone(), p.draft_logits.clone()))
+        def propose_spy(*, views, mode):
+            p = propose(views=views, mode=mode)
+            start = int(views.window.positions[0, 0])
+            # The Markov-corrected logits, [bs, gamma, V] (kept slot-major).
+            logits = views.corrected.transpose(0, 1).clone()
+            proposals.append((start, p.draft_tokens.clone(), logits))
             return p
 
         runner.forward, proposer.propose = target_spy, propose_spy

@@ -20,7 +20,11 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.registry import init_random_weights
-from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.srt.models.tiny_moe import (
+    TinyMoEConfig,
+    TinyMoEForCausalLM,
+    init_attention_metadata,
+)
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -108,9 +112,7 @@ class TestBoundedReads(CustomTestCase):
         self.rope = RotaryEmbedding(DIM, CONFIG.max_position)
 
     def _metadata(self, fb):
-        return AttentionMetadata.init_new(
-            forward_batch=fb, rotary=self.rope, dtype=torch.float32
-        )
+        return init_attention_metadata(fb, rotary=self.rope, dtype=torch.float32)
 
     def test_metadata(self):
         fb = self.pools.batch([2, 1, 3], [5, 17, 9], 4)
@@ -142,7 +144,10 @@ class TestBoundedReads(CustomTestCase):
                 self.assertLess(md.kv_bound, WIDTH)
                 for layer in (0, 3):
                     out = slot_attention(
-                        q=q, layer=layer, forward_batch=fb, metadata=md
+                        q=q,
+                        k_cache=fb.token_to_kv_pool.k[layer],
+                        v_cache=fb.token_to_kv_pool.v[layer],
+                        metadata=md,
                     )
                     ref = _full_width_attention(q, layer, fb)
                     # The kernel's reduction lanes depend on the key count:
@@ -151,13 +156,29 @@ class TestBoundedReads(CustomTestCase):
 
     def test_read_bound(self):
         kv_lens = torch.tensor([3, 30, 7])
-        self.assertEqual(kv_read_bound(kv_lens=kv_lens, width=48, capturing=False), 30)
-        self.assertEqual(kv_read_bound(kv_lens=kv_lens, width=20, capturing=False), 20)
-        # Under CUDA-graph capture: static shapes, no device read.
-        with mock.patch.object(torch.Tensor, "max", side_effect=AssertionError):
-            self.assertEqual(
-                kv_read_bound(kv_lens=kv_lens, width=48, capturing=True), 48
-            )
+
+        def bound(**kw):
+            args = dict(max_kv_len=None, kv_lens=kv_lens, width=48, capturing=False)
+            with OpCounter() as c:
+                value = kv_read_bound(**{**args, **kw})
+            return value, c.host_reads
+
+        self.assertEqual(bound(), (30, 1))  # read from the device
+        self.assertEqual(bound(width=20), (20, 1))
+        # Given by the host, or under CUDA-graph capture: no device read.
+        self.assertEqual(bound(max_kv_len=30), (30, 0))
+        self.assertEqual(bound(max_kv_len=30, width=20), (20, 0))
+        self.assertEqual(bound(capturing=True), (48, 0))
+
+    def test_host_bound_gives_the_same_metadata(self):
+        fb = self.pools.batch([2, 1, 3], [5, 17, 9], 4)
+        read = self._metadata(fb)
+        fb.max_kv_len = 21
+        with OpCounter() as c:
+            given = self._metadata(fb)
+        self.assertEqual(c.host_reads, 0)
+        self.assertEqual(given.kv_bound, read.kv_bound)
+        self.assertTrue(torch.equal(given.attn_mask, read.attn_mask))
 
 
 class TestMetadataOncePerForward(CustomTestCase):
@@ -208,7 +229,10 @@ class TestMetadataOncePerForward(CustomTestCase):
         ctx = draft_pools.batch([1, 2], [20, 33], 6)
         _, cos_sin, _ = self._count(
             lambda: draft.write_context(
-                aux_hidden_states=out["target"].aux_hidden_states, forward_batch=ctx
+                aux_hidden_states=out["target"].aux_hidden_states,
+                positions=ctx.positions,
+                out_cache_loc=ctx.out_cache_loc,
+                kv_pool=ctx.token_to_kv_pool,
             )
         )
         self.assertEqual(cos_sin, 1)
@@ -263,7 +287,6 @@ class TestSharedStepMetadata(CustomTestCase):
         ctx = draft_pools.batch([1, 2], starts, 6)
         written = {}
         for name, metadata in (("own", None), ("shared", shared)):
-            ctx.attn_metadata = metadata
             with mock.patch.object(
                 RotaryEmbedding,
                 "cos_sin",
@@ -271,7 +294,11 @@ class TestSharedStepMetadata(CustomTestCase):
                 side_effect=RotaryEmbedding.cos_sin,
             ) as cos_sin:
                 draft.write_context(
-                    aux_hidden_states=out.aux_hidden_states, forward_batch=ctx
+                    aux_hidden_states=out.aux_hidden_states,
+                    positions=ctx.positions,
+                    out_cache_loc=ctx.out_cache_loc,
+                    kv_pool=ctx.token_to_kv_pool,
+                    metadata=metadata,
                 )
             self.assertEqual(cos_sin.call_count, 0 if metadata else 1)
             slots = ctx.out_cache_loc
@@ -295,10 +322,10 @@ class TestSharedStepMetadata(CustomTestCase):
                 with self.assertRaisesRegex(ValueError, "does not fit a block"):
                     draft.init_forward_metadata(block, verify_metadata=other)
 
-    def test_engine_builds_it_once_per_step_unless_padded(self):
-        # Three requests: unpadded by default on the CPU (one metadata per
-        # step), padded to a bucket of 4 when buckets are asked for (each
-        # padded forward builds its own); the same tokens either way.
+    def test_engine_builds_it_once_per_step_padded_or_not(self):
+        # Three requests: unpadded by default on the CPU, padded to a bucket
+        # of 4 when buckets are asked for; one metadata per step either way
+        # (the step runs padded as a whole), and the same tokens.
         prompts = [[7, 3, 9, 1], [4, 4, 8], [12, 50, 2, 77, 5]]
         outputs, builds = {}, {}
         for name, buckets in (("unpadded", None), ("padded", [1, 2, 4])):
@@ -326,7 +353,7 @@ class TestSharedStepMetadata(CustomTestCase):
             while sched.has_work():
                 sched.step()
             outputs[name] = [req.output_ids for req in reqs]
-        self.assertEqual(builds, {"unpadded": 1, "padded": 2})
+        self.assertEqual(builds, {"unpadded": 1, "padded": 1})
         self.assertEqual(outputs["unpadded"], outputs["padded"])
 
 

@@ -1,6 +1,6 @@
-"""sample_tokens: greedy rows take the argmax, sampling rows argmax(probs /
-Exp(1) noise); temperature_probs with and without the greedy one-hot;
-SamplingBatchInfo derived once per batch; Exp(1) noise is never 0."""
+"""The Gumbel-max sampler: argmax(logits - T log E) draws from
+softmax(logits / T) and is the argmax where T = 0; log E noise is finite;
+SamplingBatchInfo decides the batch's mode once."""
 
 import math
 import unittest
@@ -10,9 +10,10 @@ import torch
 
 from sglang.srt.layers.sampler import (
     SamplingBatchInfo,
-    exp1_noise_,
+    SamplingMode,
+    draw_log_exp1_,
+    gumbel_argmax,
     sample_tokens,
-    temperature_probs,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -26,45 +27,33 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
     return 3 * torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
-class TestSampleTokens(CustomTestCase):
-    def test_greedy_and_sampled_rows(self):
+class TestGumbelArgmax(CustomTestCase):
+    def test_greedy_rows_are_the_argmax_whatever_the_noise(self):
         logits = _logits(6)
-        temperatures = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.5, 0.3])
-        tokens = sample_tokens(
-            logits=logits,
-            temperatures=temperatures,
-            generator=torch.Generator().manual_seed(4),
+        temps = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.5, 0.3])
+        log_e = draw_log_exp1_(
+            torch.empty_like(logits), torch.Generator().manual_seed(4)
         )
-        # The reference: the one-hot probs, the same noise stream.
-        probs = temperature_probs(logits, temperatures)
-        noise = exp1_noise_(torch.empty_like(probs), torch.Generator().manual_seed(4))
-        self.assertEqual(tokens.tolist(), (probs / noise).argmax(-1).tolist())
-        greedy = temperatures == 0
-        self.assertEqual(tokens[greedy].tolist(), logits[greedy].argmax(-1).tolist())
-
-    def test_out_buffer_and_all_greedy(self):
-        logits = _logits(4, seed=1)
-        out = torch.full((4,), -1, dtype=torch.int64)
-        tokens = sample_tokens(logits=logits, temperatures=None, out=out)
-        self.assertEqual(tokens.data_ptr(), out.data_ptr())
-        self.assertEqual(out.tolist(), logits.argmax(-1).tolist())
-        temperatures = torch.tensor([0.0, 1.0, 0.0, 1.0])
-        sample_tokens(
-            logits=logits,
-            temperatures=temperatures,
-            generator=torch.Generator().manual_seed(0),
+        out = torch.full((6,), -1, dtype=torch.int64)
+        gumbel_argmax(
+            scores=logits,
+            log_e=log_e,
+            neg_temperatures=-temps.unsqueeze(1),
             out=out,
+            scratch=torch.empty_like(logits),
         )
-        greedy = logits.argmax(-1)
-        self.assertEqual(out[temperatures == 0].tolist(), greedy[[0, 2]].tolist())
+        want = (logits - temps.unsqueeze(1) * log_e).argmax(-1)
+        self.assertEqual(out.tolist(), want.tolist())
+        greedy = temps == 0
+        self.assertEqual(out[greedy].tolist(), logits[greedy].argmax(-1).tolist())
 
     def test_sampling_follows_the_probs(self):
         # 40k draws of one row at T = 0.8: frequencies within 5 sigma of p.
         logits = _logits(1, seed=2)[:, :8]
         rows = 40_000
         tokens = sample_tokens(
-            logits=logits.expand(rows, 8),
-            temperatures=torch.full((rows,), 0.8),
+            logits=logits.expand(rows, 8).contiguous(),
+            temperatures=[0.8] * rows,
             generator=torch.Generator().manual_seed(5),
         )
         p = torch.softmax(logits[0] / 0.8, dim=-1).double()
@@ -72,71 +61,57 @@ class TestSampleTokens(CustomTestCase):
         sigma = (p * (1 - p) / rows).sqrt()
         self.assertTrue(bool(((freq - p).abs() <= 5 * sigma + 1e-4).all()))
 
-
-class TestTemperatureProbs(CustomTestCase):
-    def test_one_hot_only_where_asked(self):
-        logits = _logits(3, seed=3)
-        temperatures = torch.tensor([0.0, 0.5, 2.0])
-        with_one_hot = temperature_probs(logits, temperatures)
-        plain = temperature_probs(logits, temperatures, greedy_one_hot=False)
-        # Sampling rows: the same softmax(logits / T), bit for bit.
-        self.assertTrue(torch.equal(with_one_hot[1:], plain[1:]))
-        torch.testing.assert_close(plain[1:].sum(-1), torch.ones(2))
-        one_hot = torch.zeros(VOCAB)
-        one_hot[logits[0].argmax()] = 1.0
-        self.assertTrue(torch.equal(with_one_hot[0], one_hot))
-        # Without the one-hot a greedy row is softmax(logits / 1e-6).
-        self.assertTrue(torch.equal(plain[0], torch.softmax(logits[0] / 1e-6, dim=-1)))
+    def test_all_greedy_draws_no_noise(self):
+        logits = _logits(3, seed=1)
+        gen = torch.Generator().manual_seed(0)
+        state = gen.get_state()
+        tokens = sample_tokens(logits=logits, temperatures=[0, 0, 0], generator=gen)
+        self.assertEqual(tokens.tolist(), logits.argmax(-1).tolist())
+        self.assertTrue(torch.equal(gen.get_state(), state))
 
 
 class TestSamplingBatchInfo(CustomTestCase):
-    def test_all_greedy_is_none(self):
-        self.assertIsNone(SamplingBatchInfo.from_temperatures([0.0, 0, 0.0], "cpu"))
-
-    def test_fields(self):
-        info = SamplingBatchInfo.from_temperatures([0.5, 0.0, 2.0], "cpu")
-        self.assertEqual(info.temperatures.tolist(), [0.5, 0.0, 2.0])
-        self.assertEqual(info.inv_temperatures.shape, (3, 1))
-        self.assertEqual(info.inv_temperatures.view(-1).tolist(), [2.0, 1.0, 0.5])
-        self.assertEqual(info.is_sampled.tolist(), [True, False, True])
-        self.assertFalse(info.all_sampled)
-        self.assertTrue(
-            SamplingBatchInfo.from_temperatures([1, 0.3], "cpu").all_sampled
-        )
-        # A tiny temperature is clamped as temperature_probs clamps it.
-        tiny = SamplingBatchInfo.from_temperatures([1e-12], "cpu")
-        self.assertAlmostEqual(tiny.inv_temperatures.item(), 1e6, delta=1)
-        # One that is 0 in float32 is greedy, as sample_tokens treats it.
-        self.assertIsNone(SamplingBatchInfo.from_temperatures([1e-300], "cpu"))
-        mixed = SamplingBatchInfo.from_temperatures([1e-300, 1.0], "cpu")
-        self.assertFalse(mixed.all_sampled)
-        self.assertEqual(mixed.is_sampled.tolist(), [False, True])
+    def test_modes(self):
+        for temps, mode in (
+            ([0.0, 0, 0.0], SamplingMode.GREEDY),
+            ([0.5, 2.0], SamplingMode.SAMPLED),
+            ([0.5, 0.0, 2.0], SamplingMode.MIXED),
+            # 0 in float32 is greedy, as the kernels see it.
+            ([1e-300, 1.0], SamplingMode.MIXED),
+            ([1e-300], SamplingMode.GREEDY),
+        ):
+            with self.subTest(temps=temps):
+                info = SamplingBatchInfo.from_temperatures(temps)
+                self.assertIs(info.mode, mode)
+                self.assertEqual(info.temperatures.device.type, "cpu")
+                self.assertEqual(info.temperatures.dtype, torch.float32)
 
 
-class TestExp1Noise(CustomTestCase):
-    def test_draws_are_exp1_and_positive(self):
+class TestLogExp1Noise(CustomTestCase):
+    def test_draws_are_log_exp1(self):
         gen = torch.Generator().manual_seed(0)
         out = torch.empty(200_000)
-        self.assertIs(exp1_noise_(out, gen), out)
-        self.assertGreater(out.min().item(), 0.0)
-        self.assertAlmostEqual(out.mean().item(), 1.0, delta=0.015)  # 5 sigma
+        self.assertIs(draw_log_exp1_(out, gen), out)
+        e = out.exp()
+        self.assertGreater(e.min().item(), 0.0)
+        self.assertAlmostEqual(e.mean().item(), 1.0, delta=0.015)  # 5 sigma
         # Exp(1): P(E > 1) = 1/e, P(E > 3) = e^-3 (5 sigma of a frequency)
         for x in (1.0, 3.0):
-            frac = (out > x).double().mean().item()
+            frac = (e > x).double().mean().item()
             self.assertAlmostEqual(frac, math.exp(-x), delta=5 * 0.5 / 200_000**0.5)
 
-    def test_extreme_uniform_draws_stay_finite_and_positive(self):
-        # U = 0 would give an infinite noise; U < 1 always, so never 0.
+    def test_extreme_uniform_draws_stay_finite(self):
+        # U = 0 would give E = inf; U < 1 always, so E > 0 and log E finite.
         out = torch.zeros(3)
         edges = torch.tensor([0.0, 0.5, 1 - 2**-24])
         with unittest.mock.patch.object(
             torch.Tensor, "uniform_", lambda t, **k: t.copy_(edges)
         ):
-            exp1_noise_(out)
+            draw_log_exp1_(out)
         tiny = torch.finfo(torch.float32).tiny
-        want = -torch.tensor([tiny, 0.5, 1 - 2**-24]).log()
+        want = (-torch.tensor([tiny, 0.5, 1 - 2**-24]).log()).log()
         self.assertTrue(torch.equal(out, want))
-        self.assertTrue(bool(torch.isfinite(out).all() and (out > 0).all()))
+        self.assertTrue(bool(torch.isfinite(out).all()))
 
 
 if __name__ == "__main__":

@@ -93,8 +93,6 @@ class Engine:
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool=pool,
                 device=device,
-                bucket_sizes=args.cuda_graph_bs,
-                use_cuda_graph=args.use_cuda_graph,
             )
 
         target_worker = TpModelWorker(
@@ -102,6 +100,7 @@ class Engine:
             model_runner=runner(target, kv_pool(cfg.num_layers)),
             device=device,
             generator=self.generator,
+            max_batch_size=args.max_running_requests,
         )
         self.worker: Union[TpModelWorker, DSparkWorker]
         if args.speculative_algorithm == "DSPARK":
@@ -122,9 +121,13 @@ class Engine:
                 draft_runner=runner(draft, kv_pool(draft.config.num_layers)),
                 config=self.dspark_config,
                 max_batch_size=args.max_running_requests,
+                bucket_sizes=args.cuda_graph_bs,
+                use_cuda_graph=args.use_cuda_graph,
             )
         else:
-            target_worker.enable_decode_graphs()
+            target_worker.init_decode(
+                bucket_sizes=args.cuda_graph_bs, use_cuda_graph=args.use_cuda_graph
+            )
             self.worker = target_worker
         self.scheduler = Scheduler(
             worker=self.worker,

@@ -7,7 +7,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from sglang.srt.layers.sampler import SamplingBatchInfo
+from sglang.srt.layers.sampler import SamplingBatchInfo, SamplingMode
+from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_INDEX
 
 
 @dataclass(frozen=True)
@@ -94,20 +95,108 @@ class Req:
                 return
 
 
+@dataclass(frozen=True)
+class BatchState:
+    """A batch's per-step device state, as views of a worker's step buffers
+    (``BatchStateBuffers.cut``): what a decode step reads and advances."""
+
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64
+    last_ids: torch.Tensor  # [bs] int64, the bonus token: next step's anchor
+    temperatures: torch.Tensor  # [bs] float32; 0 = greedy
+    inv_temperatures: torch.Tensor  # [bs, 1]: 1 / T; 1 on greedy rows
+    neg_temperatures: torch.Tensor  # [bs, 1]: -T (0 on greedy rows)
+    is_sampled: torch.Tensor  # [bs] bool: T > 0
+
+
+class BatchStateBuffers:
+    """The state of up to ``max_batch_size`` rows, allocated once; rows past
+    a batch hold the dummy request (its KV is the scratch slot only), so a
+    step padded to a larger size touches nothing live."""
+
+    def __init__(self, *, max_batch_size: int, device) -> None:
+        n, dev = max_batch_size, device
+        self.req_pool_indices = torch.full((n,), DUMMY_REQ_INDEX, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.last_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.temperatures = torch.zeros(n, device=dev)
+        self.inv_temperatures = torch.ones(n, 1, device=dev)
+        self.neg_temperatures = torch.zeros(n, 1, device=dev)
+        self.is_sampled = torch.zeros(n, dtype=torch.bool, device=dev)
+        self._is_greedy = torch.ones(n, dtype=torch.bool, device=dev)  # scratch
+
+    def cut(self, bs: int) -> BatchState:
+        return BatchState(
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            last_ids=self.last_ids[:bs],
+            temperatures=self.temperatures[:bs],
+            inv_temperatures=self.inv_temperatures[:bs],
+            neg_temperatures=self.neg_temperatures[:bs],
+            is_sampled=self.is_sampled[:bs],
+        )
+
+    def reset(self) -> None:
+        """Every row the dummy request."""
+        self.pad(0)
+        self.req_pool_indices.fill_(DUMMY_REQ_INDEX)
+        for t, value in (
+            (self.temperatures, 0.0),
+            (self.inv_temperatures, 1.0),
+            (self.neg_temperatures, 0.0),
+            (self.is_sampled, False),
+        ):
+            t.fill_(value)
+
+    def bind(self, batch: "ScheduleBatch", state: BatchState) -> None:
+        """Move ``batch``'s device state into ``state`` (these buffers cut to
+        its size), once: its tensors become views of them, and the rows past
+        it become the dummy request. Binding a bound batch does nothing."""
+        if batch.seq_lens is state.seq_lens:
+            return
+        bs = batch.batch_size
+        self.reset()
+        state.req_pool_indices.copy_(batch.req_pool_indices)
+        state.seq_lens.copy_(batch.seq_lens)
+        state.last_ids.copy_(batch.last_ids)
+        t = state.temperatures
+        t.copy_(batch.sampling_info.temperatures)  # host to device, once a batch
+        torch.gt(t, 0, out=state.is_sampled)
+        torch.neg(t, out=state.neg_temperatures.view(bs))
+        # 1 / T, with T clamped at 1e-6 so that logits / T stays finite; 1 on
+        # greedy rows.
+        inv = state.inv_temperatures.view(bs)
+        torch.clamp_min(t, 1e-6, out=inv).reciprocal_()
+        inv.masked_fill_(torch.le(t, 0, out=self._is_greedy[:bs]), 1.0)
+        batch.req_pool_indices = state.req_pool_indices
+        batch.seq_lens, batch.last_ids = state.seq_lens, state.last_ids
+
+    def pad(self, bs: int) -> None:
+        """Rows from ``bs`` on back to the dummy request's position and
+        token, which a padded step advanced (its other fields stay dummy)."""
+        self.seq_lens[bs:].fill_(1)
+        self.last_ids[bs:].zero_()
+
+
 @dataclass
 class ScheduleBatch:
     """The running requests, with their per-step state on the device.
 
-    Built when the set of requests changes; between such changes the worker
-    advances ``seq_lens`` and ``last_ids`` in place, so a step sends nothing
-    from host to device.
+    Built when the set of requests changes. A worker binds it to its step
+    buffers once (``BatchStateBuffers.bind``): the state moves into them and
+    the batch's tensors become views of them; from then on the worker advances
+    ``seq_lens`` and ``last_ids`` in place, so a step sends nothing from host
+    to device. ``seq_lens_cpu`` mirrors ``seq_lens`` on the host (the worker
+    advances it from what each step reads back), so a step never reads the
+    device to size its attention.
     """
 
     reqs: List[Req]
     req_pool_indices: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int64
     last_ids: torch.Tensor  # [bs] int64, the bonus token: next step's anchor
-    sampling_info: Optional[SamplingBatchInfo]  # None when all greedy
+    sampling_info: SamplingBatchInfo
+    seq_lens_cpu: List[int]
 
     @classmethod
     def from_reqs(cls, reqs: List[Req], device) -> "ScheduleBatch":
@@ -117,14 +206,16 @@ class ScheduleBatch:
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        seq_lens = [r.seq_len for r in reqs]
         return cls(
             reqs=list(reqs),
             req_pool_indices=tensor([r.req_pool_idx for r in reqs]),
-            seq_lens=tensor([r.seq_len for r in reqs]),
+            seq_lens=tensor(seq_lens),
             last_ids=tensor([r.output_ids[-1] for r in reqs]),
             sampling_info=SamplingBatchInfo.from_temperatures(
-                [r.sampling_params.temperature for r in reqs], device
+                [r.sampling_params.temperature for r in reqs]
             ),
+            seq_lens_cpu=seq_lens,
         )
 
     @property
@@ -132,10 +223,8 @@ class ScheduleBatch:
         return len(self.reqs)
 
     @property
-    def temperatures(self) -> Optional[torch.Tensor]:
-        """[bs] float32, 0 = greedy; None when all greedy."""
-        info = self.sampling_info
-        return None if info is None else info.temperatures
+    def sampling_mode(self) -> SamplingMode:
+        return self.sampling_info.mode
 
 
 @dataclass(frozen=True)

@@ -17,26 +17,36 @@ invariant: free + held == total, for request rows and for KV slots.
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Iterable, List, Optional, Union
+from typing import Deque, Iterable, List, Optional, Protocol
 
 import torch
 
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, as_token_ids
-from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.schedule_batch import (
+    Req,
+    ScheduleBatch,
+    StepOutput,
+    as_token_ids,
+)
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenSlotAllocator
 
-if TYPE_CHECKING:
-    from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
 
-# A worker with device, lookahead, prefill(*, req) and decode_step(*, batch).
-DecodeWorker = Union[TpModelWorker, "DSparkWorker"]
+class DecodeWorker(Protocol):
+    """What the scheduler drives: the Engine hands it a plain or a DSpark
+    worker, and it needs no more than this."""
+
+    device: torch.device
+    lookahead: int  # KV positions a step may write past the last token
+
+    def prefill(self, *, req: Req) -> int: ...
+
+    def decode_step(self, *, batch: ScheduleBatch) -> StepOutput: ...
 
 
 class Scheduler:
     def __init__(
         self,
         *,
-        worker: "DecodeWorker",
+        worker: DecodeWorker,
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenSlotAllocator,
         max_running_requests: int,

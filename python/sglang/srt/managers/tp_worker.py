@@ -1,21 +1,104 @@
-"""The target model's worker: prefill, and plain one-token decode steps."""
+"""The target model's worker: prefill, and plain one-token decode steps.
 
-from typing import Dict, Optional, Tuple
+A decode step: bind the batch to the step buffers (once per batch), pad it
+to its bucket, run the device step (positions and KV slots -> forward ->
+sample -> commit), then read the tokens (the step's one host read). On
+CUDA the device step is one graph replay per bucket.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 
-from sglang.srt.layers.sampler import sample_tokens
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, StepOutput
+from sglang.srt.layers.sampler import (
+    SamplingMode,
+    draw_log_exp1_,
+    gumbel_argmax,
+    sample_tokens,
+)
+from sglang.srt.managers.schedule_batch import (
+    BatchState,
+    BatchStateBuffers,
+    Req,
+    ScheduleBatch,
+    StepOutput,
+)
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,
+    ModelOutput,
+    target_num_token_non_padded,
 )
+from sglang.srt.model_executor.graph_runner import GraphRunner
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.models.tiny_moe import ModelOutput, TinyMoEForCausalLM
+from sglang.srt.model_executor.step_buffers import StepBuffers
+from sglang.srt.models.tiny_moe import TinyMoEForCausalLM
+from sglang.srt.utils.phases import PhaseSpans
+
+
+@dataclass(frozen=True)
+class DecodeViews:
+    state: BatchState
+    positions: torch.Tensor  # [bs]: seq_len - 1
+    table_index: torch.Tensor  # [bs]: flat index into the req->slot table
+    out_cache_loc: torch.Tensor  # [bs]
+    log_e: torch.Tensor  # [bs, vocab]: sampling noise
+    scratch: torch.Tensor  # [bs, vocab]
+    forward_batch: ForwardBatch  # DECODE over the views above
+
+
+class DecodeBuffers(StepBuffers[DecodeViews]):
+    """Every per-step tensor of a plain decode step."""
+
+    def __init__(
+        self, *, max_batch_size: int, vocab_size: int, model_runner: ModelRunner
+    ) -> None:
+        super().__init__(max_batch_size=max_batch_size)
+        dev = model_runner.device
+        self.state = BatchStateBuffers(max_batch_size=max_batch_size, device=dev)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        self.table_index = torch.zeros_like(self.positions)
+        self.out_cache_loc = torch.zeros_like(self.positions)
+        self.log_e = torch.zeros(max_batch_size, vocab_size, device=dev)
+        self.scratch = torch.zeros_like(self.log_e)
+        self.num_token_non_padded = torch.zeros((), dtype=torch.int32, device=dev)
+        self.model_runner = model_runner
+
+    def _cut(self, bs: int) -> DecodeViews:
+        state = self.state.cut(bs)
+        positions, out_cache_loc = self.positions[:bs], self.out_cache_loc[:bs]
+        runner = self.model_runner
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            tokens_per_req=1,
+            input_ids=state.last_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=state.req_pool_indices,
+            kv_lens=state.seq_lens,  # row seq_len - 1 sees keys < seq_len
+            num_token_non_padded_cpu=bs,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.token_to_kv_pool,
+        )
+        return DecodeViews(
+            state=state,
+            positions=positions,
+            table_index=self.table_index[:bs],
+            out_cache_loc=out_cache_loc,
+            log_e=self.log_e[:bs],
+            scratch=self.scratch[:bs],
+            forward_batch=forward_batch,
+        )
 
 
 class TpModelWorker:
+    # The spans of a decode step, in order; the model's own compute inside.
+    PHASES = ("prepare", "forward", "sample", "output")
+    MODEL_SPANS = ("forward",)
+
     def __init__(
         self,
         *,
@@ -28,26 +111,34 @@ class TpModelWorker:
         self.model, self.model_runner = model, model_runner
         self.device, self.generator = device, generator
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self._flat_table = self.req_to_token.view(-1)
         self.lookahead = 0  # plain decoding writes only the next position
-        # Filled per batch only when EP > 1 reads it; never re-allocated.
-        self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=device)
-        # Decode-step buffers at the largest batch (default: every request row
-        # of the pool; row 0 is the dummy request).
+        self.spans = PhaseSpans()
+        # Filled per prefill only when EP > 1 reads it; never re-allocated.
+        self._prefill_scalar = torch.zeros((), dtype=torch.int32, device=device)
+        # Default: every request row of the pool (row 0 is the dummy request).
         if max_batch_size is None:
             max_batch_size = self.req_to_token.shape[0] - 1
         self.max_batch_size = max_batch_size
-        self._positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self._table_index = torch.zeros_like(self._positions)
-        self._out_cache_loc = torch.zeros_like(self._positions)
-        self._next_ids = torch.zeros_like(self._positions)
-        self._flat_table = self.req_to_token.view(-1)
-        # Per batch size: the four buffers cut to it, made once.
-        self._views: Dict[int, Tuple[torch.Tensor, ...]] = {}
+        self.buffers: Optional[DecodeBuffers] = None
+        self.graph_runner: Optional[GraphRunner] = None
 
-    def enable_decode_graphs(self) -> None:
-        self.model_runner.add_graph_runner(
-            forward_mode=ForwardMode.DECODE, tokens_per_req=1
+    def init_decode(
+        self, *, bucket_sizes: Optional[List[int]], use_cuda_graph: bool
+    ) -> None:
+        """Allocate the decode step's buffers; capture its graphs on CUDA."""
+        self.buffers = DecodeBuffers(
+            max_batch_size=self.max_batch_size,
+            vocab_size=self.model.config.vocab_size,
+            model_runner=self.model_runner,
         )
+        self.graph_runner = GraphRunner(
+            step=self._device_step,
+            bucket_sizes=bucket_sizes,
+            use_cuda_graph=use_cuda_graph,
+            reset=self.buffers.state.reset,
+        )
+        self.graph_runner.capture(list(SamplingMode))
 
     def prefill(self, *, req: Req) -> int:
         return self.forward_prefill(req=req)[0]
@@ -71,65 +162,77 @@ class TpModelWorker:
             capture_hidden_mode=(
                 CaptureHiddenMode.FULL if capture_hidden else CaptureHiddenMode.NULL
             ),
-            num_token_non_padded_buffer=self._num_token_non_padded,
+            num_token_non_padded_buffer=self._prefill_scalar,
+            max_kv_len=n,
         )
         out = self.model_runner.forward(forward_batch)
-        temperature = req.sampling_params.temperature
         first = sample_tokens(
             logits=out.logits[-1:],
-            temperatures=(
-                torch.tensor([temperature], device=self.device) if temperature else None
-            ),
+            temperatures=[req.sampling_params.temperature],
             generator=self.generator,
         )
         return int(first.item()), out, forward_batch
 
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
         """One token per request; advances the batch's device state in place."""
+        if self.buffers is None:
+            raise RuntimeError("call init_decode() before decode_step()")
         bs = batch.batch_size
         if bs > self.max_batch_size:
             raise ValueError(
                 f"batch of {bs} exceeds max_batch_size={self.max_batch_size}"
             )
-        views = self._views.get(bs)
-        if views is None:
-            views = tuple(
-                t[:bs]
-                for t in (
-                    self._positions,
-                    self._table_index,
-                    self._out_cache_loc,
-                    self._next_ids,
-                )
+        buffers, runner, mode = self.buffers, self.graph_runner, batch.sampling_mode
+        with self.spans("prepare"):
+            buffers.state.bind(batch, buffers.at(bs).state)
+            rows = runner.padded_size(bs)
+            if rows > bs:
+                buffers.state.pad(bs)
+            v = buffers.at(rows)
+            v.forward_batch.num_token_non_padded = target_num_token_non_padded(
+                bs, buffers.num_token_non_padded, self.device
             )
-            self._views[bs] = views
-        positions, index, out_cache_loc, next_ids = views  # [bs] each
-        torch.sub(batch.seq_lens, 1, out=positions)
-        # out_cache_loc[b] = req_to_token[req_pool_indices[b], positions[b]],
-        # gathered from the flat table into a preallocated buffer.
+            v.forward_batch.num_token_non_padded_cpu = bs
+            if mode is not SamplingMode.GREEDY:
+                draw_log_exp1_(v.log_e, self.generator)
+        runner.run(rows=rows, variant=mode, max_kv_len=max(batch.seq_lens_cpu))
+        with self.spans("output"):
+            tokens = _read_tokens(batch.last_ids)
+            for i in range(bs):
+                batch.seq_lens_cpu[i] += 1
+            return StepOutput(
+                output_ids=[[t] for t in tokens], accepted_drafts=[0] * bs
+            )
+
+    def _device_step(
+        self, rows: int, mode: SamplingMode, max_kv_len: Optional[int]
+    ) -> None:
+        """positions and KV slots -> forward -> sample -> commit, over the
+        first ``rows`` rows of the buffers (no host read: graph-safe)."""
+        v = self.buffers.at(rows)
+        state = v.state
+        torch.sub(state.seq_lens, 1, out=v.positions)
+        # out_cache_loc[b] = req_to_token[req_pool_indices[b], positions[b]]
         width = self.req_to_token.shape[1]
-        torch.add(positions, batch.req_pool_indices, alpha=width, out=index)
-        torch.index_select(self._flat_table, 0, index, out=out_cache_loc)
-        forward_batch = ForwardBatch.init_new(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
-            tokens_per_req=1,
-            input_ids=batch.last_ids,
-            positions=positions,
-            out_cache_loc=out_cache_loc,
-            req_pool_indices=batch.req_pool_indices,
-            kv_lens=batch.seq_lens,
-            num_token_non_padded_buffer=self._num_token_non_padded,
-        )
-        logits = self.model_runner.forward(forward_batch).logits
-        sample_tokens(
-            logits=logits,
-            temperatures=batch.temperatures,
-            generator=self.generator,
-            out=next_ids,
-        )
-        batch.seq_lens.add_(1)
-        batch.last_ids.copy_(next_ids)
-        return StepOutput(
-            output_ids=[[t] for t in next_ids.tolist()], accepted_drafts=[0] * bs
-        )
+        torch.add(v.positions, state.req_pool_indices, alpha=width, out=v.table_index)
+        torch.index_select(self._flat_table, 0, v.table_index, out=v.out_cache_loc)
+        v.forward_batch.max_kv_len = max_kv_len
+        with self.spans("forward"):
+            logits = self.model_runner.forward(v.forward_batch).logits  # [rows, V]
+        with self.spans("sample"):
+            if mode is SamplingMode.GREEDY:
+                torch.argmax(logits, dim=-1, out=state.last_ids)
+            else:
+                gumbel_argmax(
+                    scores=logits,
+                    log_e=v.log_e,
+                    neg_temperatures=state.neg_temperatures,
+                    out=state.last_ids,
+                    scratch=v.scratch,
+                )
+            state.seq_lens.add_(1)
+
+
+def _read_tokens(ids: torch.Tensor) -> List[int]:
+    """The step's one host read (a device tensor is copied over first)."""
+    return ids.tolist()

@@ -1,9 +1,12 @@
-"""The batch a model forward reads, and who needs ``num_token_non_padded``.
+"""The batch a model forward reads, what it returns, and who needs
+``num_token_non_padded``.
 
 ``ForwardBatch.init_new`` is the construction path for target batches
 (prefill, plain decode, verify): it makes the scalar under
-``enable_num_token_non_padded()``. The DSpark draft block is built by the
-proposer, through its own helper (``dspark_draft._make_num_token_non_padded``).
+``enable_num_token_non_padded()`` (through ``target_num_token_non_padded``,
+which a step also calls to refill a batch it reuses). The DSpark draft block
+gets it from the proposer, through its own helper
+(``dspark_draft._make_num_token_non_padded``).
 
 Layout: every request in a batch contributes the same number of rows
 (``tokens_per_req``): 1 for decode, gamma for the DSpark draft block,
@@ -27,7 +30,10 @@ if TYPE_CHECKING:
 class ForwardMode(enum.IntEnum):
     EXTEND = enum.auto()
     DECODE = enum.auto()
+    # Speculative decoding: verify a batch in the target model.
     TARGET_VERIFY = enum.auto()
+    # Speculative decoding: a batch in the draft model (the DSpark block).
+    DRAFT_EXTEND_V2 = enum.auto()
     IDLE = enum.auto()
 
     def is_extend(self) -> bool:
@@ -38,6 +44,9 @@ class ForwardMode(enum.IntEnum):
 
     def is_target_verify(self) -> bool:
         return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend_v2(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND_V2
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
@@ -52,9 +61,30 @@ class CaptureHiddenMode(enum.IntEnum):
         return self != CaptureHiddenMode.NULL
 
 
+@dataclass(frozen=True)
+class ModelOutput:
+    """What a model forward returns."""
+
+    logits: torch.Tensor  # [T, vocab]
+    aux_hidden_states: Optional[torch.Tensor] = None  # [T, n_layers * hidden]
+
+
 def enable_num_token_non_padded() -> bool:
     """Only the EP MoE router reads the scalar, so only EP > 1 needs it."""
     return get_parallel().moe_ep_size > 1
+
+
+def target_num_token_non_padded(
+    num_tokens: int, buffer: Optional[torch.Tensor], device
+) -> Optional[torch.Tensor]:
+    """A target batch's scalar: None unless EP > 1 reads it; then ``buffer``
+    (a 0-dim int32 device tensor allocated once) filled with ``num_tokens``
+    (a kernel fill, no host-to-device copy), or a new scalar without one."""
+    if not enable_num_token_non_padded():
+        return None
+    if buffer is None:
+        return torch.full((), num_tokens, dtype=torch.int32, device=device)
+    return buffer.fill_(num_tokens)
 
 
 @dataclass
@@ -74,10 +104,13 @@ class ForwardBatch:
     # The pools the attention reads and writes (the draft has its own KV pool).
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     token_to_kv_pool: Optional["KVPool"] = None
+    # The longest of kv_lens, known on the host (the scheduler's sequence
+    # lengths): attention reads keys up to it without a device read. None:
+    # read it from the device (one host sync).
+    max_kv_len: Optional[int] = None
     # Built by the caller for this very batch, to share it beyond one forward
     # (the DSpark step: the verify's, also read by the draft block and the
-    # context write); None: the model builds its own. Only on a batch that
-    # runs as given (``ModelRunner.runs_as_given``): a padded one is another.
+    # context write); None: the model builds its own.
     attn_metadata: Optional["AttentionMetadata"] = None
 
     def __post_init__(self) -> None:
@@ -109,6 +142,7 @@ class ForwardBatch:
         kv_lens: torch.Tensor,
         capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
         num_token_non_padded_buffer: Optional[torch.Tensor] = None,  # [] int32
+        max_kv_len: Optional[int] = None,
     ) -> "ForwardBatch":
         """A target batch; ``num_token_non_padded`` is None unless EP > 1 reads it.
 
@@ -117,14 +151,6 @@ class ForwardBatch:
         copy), or into a new device scalar when no buffer is given.
         """
         num_tokens = batch_size * tokens_per_req
-        scalar = None
-        if enable_num_token_non_padded():
-            if num_token_non_padded_buffer is None:
-                scalar = torch.full(
-                    (), num_tokens, dtype=torch.int32, device=input_ids.device
-                )
-            else:
-                scalar = num_token_non_padded_buffer.fill_(num_tokens)
         return cls(
             forward_mode=forward_mode,
             batch_size=batch_size,
@@ -134,9 +160,12 @@ class ForwardBatch:
             out_cache_loc=out_cache_loc,
             req_pool_indices=req_pool_indices,
             kv_lens=kv_lens,
-            num_token_non_padded=scalar,
+            num_token_non_padded=target_num_token_non_padded(
+                num_tokens, num_token_non_padded_buffer, input_ids.device
+            ),
             num_token_non_padded_cpu=num_tokens,
             capture_hidden_mode=capture_hidden_mode,
+            max_kv_len=max_kv_len,
         )
 
     @property

@@ -16,12 +16,12 @@ from torch import nn
 from sglang.srt.layers.attention import AttentionMetadata
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ModelOutput
 from sglang.srt.models.tiny_moe import (
-    ModelOutput,
     TinyMoEConfig,
     TinyMoEDecoderLayer,
     TinyMoEForCausalLM,
+    init_attention_metadata,
 )
 
 # Up to this vocabulary the Markov head's correction after every token is
@@ -75,17 +75,25 @@ class DSparkDraftModel(nn.Module):
         self,
         *,
         aux_hidden_states: torch.Tensor,  # [T, n_layers * hidden]
-        forward_batch: ForwardBatch,  # positions and out_cache_loc of those rows
+        positions: torch.Tensor,  # [T]: the positions of those rows
+        out_cache_loc: torch.Tensor,  # [T]: their KV slots
+        kv_pool,  # the draft's KV pool
+        metadata: Optional[AttentionMetadata] = None,  # the same rows', shared
     ) -> None:
+        """The target's hidden states of these rows become the draft's context
+        K/V at their slots (the rotary tables of ``metadata`` when given)."""
         context = self.context_norm(self.fc(aux_hidden_states))  # [T, hidden]
-        metadata = forward_batch.attn_metadata  # the verify's, when shared
         if metadata is None:
-            cos, sin = self.rotary_emb.cos_sin(forward_batch.positions, context.dtype)
+            cos, sin = self.rotary_emb.cos_sin(positions, context.dtype)
         else:
             cos, sin = metadata.cos, metadata.sin
         for layer in self.layers:
             layer.self_attn.write_kv(
-                hidden=context, cos=cos, sin=sin, forward_batch=forward_batch
+                hidden=context,
+                cos=cos,
+                sin=sin,
+                kv_pool=kv_pool,
+                out_cache_loc=out_cache_loc,
             )
 
     def init_forward_metadata(
@@ -107,8 +115,8 @@ class DSparkDraftModel(nn.Module):
         gathered.
         """
         if verify_metadata is None:
-            return AttentionMetadata.init_new(
-                forward_batch=forward_batch,
+            return init_attention_metadata(
+                forward_batch,
                 rotary=self.rotary_emb,
                 dtype=self.embed_tokens.weight.dtype,
             )
@@ -123,6 +131,8 @@ class DSparkDraftModel(nn.Module):
         bound = verify_metadata.kv_bound - 1
         cos, sin = self.rotary_emb.cos_sin(forward_batch.positions, mask.dtype)
         return AttentionMetadata(
+            batch_size=bs,
+            q_len=q_len,
             kv_bound=bound,
             # [bs, verify bound] -> its first `bound` columns: a copy (at bs 1
             # a view, read only).
@@ -142,7 +152,6 @@ class DSparkDraftModel(nn.Module):
             hidden = layer(hidden, forward_batch, metadata)
         return ModelOutput(logits=self.lm_head(self.norm(hidden)))
 
-    @torch.no_grad()
     def markov_table(self) -> Optional[torch.Tensor]:
         """[V, V]: row v is the correction after token v, W2(W1[v]); None
         above ``MARKOV_TABLE_MAX_VOCAB``. Made once per weight version (a
@@ -152,7 +161,8 @@ class DSparkDraftModel(nn.Module):
             return None
         key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
         if self._markov_table_key != key:
-            self._markov_table = self.markov_w2(w1)  # [V, V]
+            with torch.no_grad():
+                self._markov_table = self.markov_w2(w1)  # [V, V]
             self._markov_table_key = key
         return self._markov_table
 

@@ -2,16 +2,20 @@
 states of chosen layers (the DSpark draft's context)."""
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 from torch import nn
 
-from sglang.srt.layers.attention import AttentionMetadata, slot_attention
+from sglang.srt.layers.attention import AttentionMetadata, kv_read_bound, slot_attention
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ModelOutput,
+)
 
 
 @dataclass(frozen=True)
@@ -30,10 +34,28 @@ class TinyMoEConfig:
         return self.hidden_size // self.num_heads
 
 
-@dataclass(frozen=True)
-class ModelOutput:
-    logits: torch.Tensor  # [T, vocab]
-    aux_hidden_states: Optional[torch.Tensor] = None  # [T, n_layers * hidden]
+def init_attention_metadata(
+    forward_batch: ForwardBatch, *, rotary: RotaryEmbedding, dtype
+) -> AttentionMetadata:
+    """The attention metadata of a batch: keys up to its host-known longest
+    kv_len (the table's width under CUDA-graph capture)."""
+    req_to_token = forward_batch.req_to_token_pool.req_to_token
+    kv_lens = forward_batch.kv_lens
+    return AttentionMetadata.init_new(
+        req_to_token=req_to_token,
+        req_pool_indices=forward_batch.req_pool_indices,
+        positions=forward_batch.positions,
+        kv_lens=kv_lens,
+        q_len=forward_batch.tokens_per_req,
+        kv_bound=kv_read_bound(
+            max_kv_len=forward_batch.max_kv_len,
+            kv_lens=kv_lens,
+            width=req_to_token.shape[1],
+            capturing=kv_lens.is_cuda and torch.cuda.is_current_stream_capturing(),
+        ),
+        rotary=rotary,
+        dtype=dtype,
+    )
 
 
 class TinyMoEAttention(nn.Module):
@@ -51,14 +73,13 @@ class TinyMoEAttention(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, head_dim], the rows' rotary tables
         sin: torch.Tensor,
-        forward_batch: ForwardBatch,
+        kv_pool,
+        out_cache_loc: torch.Tensor,  # [T]
     ) -> None:
         """K/V of ``hidden`` into this layer's cache at ``out_cache_loc``."""
         kv = self.qkv_proj(hidden).view(-1, 3 * self.num_heads, self.head_dim)
         k = apply_rotary(kv[:, self.num_heads : 2 * self.num_heads], cos, sin)
-        forward_batch.token_to_kv_pool.write(
-            self.layer_id, forward_batch.out_cache_loc, k, kv[:, 2 * self.num_heads :]
-        )
+        kv_pool.write(self.layer_id, out_cache_loc, k, kv[:, 2 * self.num_heads :])
 
     def forward(
         self,
@@ -76,10 +97,11 @@ class TinyMoEAttention(nn.Module):
             qk[:, heads:],
             qkv[:, 2 * heads :],
         )
+        kv_pool = forward_batch.token_to_kv_pool
         out = slot_attention(
             q=qk[:, :heads],
-            layer=self.layer_id,
-            forward_batch=forward_batch,
+            k_cache=kv_pool.k[self.layer_id],
+            v_cache=kv_pool.v[self.layer_id],
             metadata=metadata,
         )
         return self.o_proj(out)
@@ -142,10 +164,8 @@ class TinyMoEForCausalLM(nn.Module):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> AttentionMetadata:
         """What every layer of a forward over this batch shares."""
-        return AttentionMetadata.init_new(
-            forward_batch=forward_batch,
-            rotary=self.rotary_emb,
-            dtype=self.embed_tokens.weight.dtype,
+        return init_attention_metadata(
+            forward_batch, rotary=self.rotary_emb, dtype=self.embed_tokens.weight.dtype
         )
 
     @torch.no_grad()

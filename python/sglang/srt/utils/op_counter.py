@@ -9,15 +9,19 @@ compare variants without timing noise.
 - ``allocs``: op outputs on new storage (not a view, not written in place);
 - ``int32_scalars``: new 0-dim int32 tensors (what ``num_token_non_padded``
   is made of); ``torch.tensor(n)`` counts through ``aten.lift_fresh``;
-- ``h2d_copies``: copies from host memory into a device tensor.
+- ``h2d_copies``: copies from host memory into a device tensor;
+- ``host_reads``: ops that make the host wait for device data: ``.item()``
+  and ``int()`` / ``bool()`` of a tensor (``_local_scalar_dense``),
+  ``nonzero``, ``equal``, ``masked_select``, ``unique``, and copies from a
+  device to host memory. ``.tolist()`` of a CPU tensor dispatches no op, so
+  it is not seen here (the compile test catches it: a graph break).
 
-``count_calls`` routes chosen methods (the model forwards) through a second,
-nested counter, so a step's own glue is the outer count minus the inner one.
+Per-phase counts come from ``utils.phases.PhaseRecorder``, a hook the
+workers offer: no method is patched to count it.
 """
 
 from collections import Counter
-from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,6 +29,17 @@ from torch.utils._pytree import tree_flatten
 
 _FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+_aten = torch.ops.aten
+_HOST_READS = {
+    _aten._local_scalar_dense.default,
+    _aten.nonzero.default,
+    _aten.equal.default,
+    _aten.is_nonzero.default,
+    _aten.masked_select.default,
+    _aten._unique2.default,
+    _aten.unique_consecutive.default,
+    _aten.unique_dim.default,
+}
 
 
 def _storage(t: torch.Tensor) -> Tuple[str, int]:
@@ -38,6 +53,7 @@ class OpCounter(TorchDispatchMode):
         self.allocs = 0
         self.int32_scalars = 0
         self.h2d_copies = 0
+        self.host_reads = 0
         self.by_op: Counter = Counter()
         # (op name, shape) of every new 0-dim int32 tensor, in order.
         self.int32_scalar_sites: List[str] = []
@@ -60,9 +76,14 @@ class OpCounter(TorchDispatchMode):
             if t.dim() == 0 and t.dtype == torch.int32:
                 self.int32_scalars += 1
                 self.int32_scalar_sites.append(func.name())
-        if func in _COPIES and any(t.device.type == "cpu" for t in inputs):
-            if any(t.device.type != "cpu" for t in outputs):
+        if func in _HOST_READS:
+            self.host_reads += 1
+        elif func in _COPIES:
+            to_device = any(t.device.type != "cpu" for t in outputs)
+            if any(t.device.type == "cpu" for t in inputs) and to_device:
                 self.h2d_copies += 1
+            elif any(t.device.type != "cpu" for t in inputs) and not to_device:
+                self.host_reads += 1
         return out
 
     def counts(self) -> Dict[str, int]:
@@ -71,63 +92,5 @@ class OpCounter(TorchDispatchMode):
             "allocs": self.allocs,
             "int32_scalars": self.int32_scalars,
             "h2d_copies": self.h2d_copies,
+            "host_reads": self.host_reads,
         }
-
-
-_MISSING = object()
-
-
-@contextmanager
-def routed(replacements: Sequence[Tuple[object, str, Callable]]) -> Iterator[None]:
-    """Set ``obj.name = fn`` for each replacement, and put back on exit what
-    was there: an instance attribute (e.g. another spy) as it was, else
-    nothing, so the class's method shows through again. Every restore is
-    tried; the first that fails is raised after the others."""
-    saved = []
-    try:
-        for obj, name, fn in replacements:
-            own = obj.__dict__.get(name, _MISSING)
-            setattr(obj, name, fn)
-            saved.append((obj, name, own))  # only what was set is put back
-        yield
-    finally:
-        failed = None
-        for obj, name, own in reversed(saved):
-            try:
-                if own is _MISSING:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, own)
-            except Exception as e:  # keep restoring the rest
-                failed = failed or e
-        if failed is not None:
-            raise failed
-
-
-@contextmanager
-def count_calls(targets: Sequence[Tuple[object, str]]) -> Iterator[OpCounter]:
-    """Count every call of ``getattr(obj, name)`` for each target in one counter.
-
-    The counter is entered only around those calls. Inside an outer
-    ``OpCounter`` both count each op (a mode dispatches to the modes below
-    it), so ``outer.allocs - inner.allocs`` is what happened outside them.
-    The methods are restored on exit.
-    """
-    inner = OpCounter()
-    depth = [0]  # a counted call inside another is counted once
-
-    def counted_call(original):
-        def counted(*args, **kwargs):
-            if depth[0]:
-                return original(*args, **kwargs)
-            depth[0] += 1
-            try:
-                with inner:
-                    return original(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return counted
-
-    with routed([(obj, n, counted_call(getattr(obj, n))) for obj, n in targets]):
-        yield inner

@@ -4,9 +4,11 @@ exactly with OpCounter.
 - EP size 1: the draft and verify paths create no int32 0-dim tensor (the
   seed's regression made one per step); the guard fails on the regressed
   helper, so it can fail.
-- The per-step glue (proposer, verify, worker; plain decode too) allocates
-  nothing outside the model forwards, for greedy batches; the DSpark glue
-  neither for batches whose every request samples.
+- The per-step glue (proposer, acceptance, worker; plain decode too)
+  allocates nothing outside the model's own compute (the worker's model
+  spans), for greedy, sampled and mixed batches.
+
+Counts come through the workers' phase spans: nothing is patched.
 """
 
 import unittest
@@ -14,10 +16,12 @@ import unittest
 import torch
 
 from sglang import Engine
-from sglang.bench_dspark_step import regressed_make_num_token_non_padded, variant
+from sglang.bench_dspark_step import regressed_make_num_token_non_padded, with_proposer
+from sglang.srt.layers.sampler import SamplingMode
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.runtime_context import get_parallel
-from sglang.srt.utils.op_counter import OpCounter, count_calls
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.phases import PhaseRecorder
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -27,47 +31,48 @@ PROMPTS = [[7, 3, 9, 1], [4, 4, 8], [12, 50, 2, 77, 5]]
 STEPS = 3  # counted decode steps, after the admission step
 
 
-def _engine(speculative_algorithm="DSPARK") -> Engine:
-    return Engine(
+def _engine(speculative_algorithm="DSPARK", variant="fixed") -> Engine:
+    engine = Engine(
         speculative_algorithm=speculative_algorithm,
         device="cpu",
         random_seed=0,
         max_running_requests=4,
         cuda_graph_bs=[1, 2, 4],  # 3 requests pad to 4: padded rows exist
     )
+    return with_proposer(engine, variant) if speculative_algorithm else engine
 
 
-def _model_forwards(engine):
-    """What counts as the model: both runners' forwards, the KV commit, and
-    the attention metadata the step builds ahead of the forwards."""
-    worker = engine.worker
-    if hasattr(worker, "proposer"):
-        return [
-            (worker.draft_runner, "forward"),
-            (worker.target_worker.model_runner, "forward"),
-            (worker.draft_model, "write_context"),
-            (worker.draft_model, "init_forward_metadata"),
-            (worker.target_worker.model, "init_forward_metadata"),
-        ]
-    return [(worker.model_runner, "forward")]
+def _model_allocs(engine, recorder) -> int:
+    """Allocations inside the model's own compute: the worker's model spans."""
+    names = engine.worker.MODEL_SPANS
+    return sum(recorder.totals.get(n, {}).get("allocs", 0) for n in names)
 
 
 def count_decode_steps(engine, prompts=PROMPTS, steps=STEPS, temperature=0.0):
-    """Admit ``prompts`` (untimed, uncounted), then count ``steps`` decode
-    steps one by one: [(whole-step counter, model-forward counter), ...]."""
+    """Admit ``prompts`` (uncounted), then count ``steps`` decode steps one by
+    one: [(whole-step counter, allocations in the model spans), ...]."""
     sched = engine.scheduler
     # Nobody finishes: each step (the admission's too) commits <= gamma + 1.
-    params = SamplingParams(max_new_tokens=2 + (steps + 1) * 8, temperature=temperature)
-    for i, ids in enumerate(prompts):
-        sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
+    temps = (
+        temperature if isinstance(temperature, list) else [temperature] * len(prompts)
+    )
+    params = [
+        SamplingParams(max_new_tokens=2 + (steps + 1) * 8, temperature=t) for t in temps
+    ]
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=p))
     sched.step()
-    counted = []
+    counted, spans = [], engine.worker.spans
     for _ in range(steps):
-        with count_calls(_model_forwards(engine)) as model, OpCounter() as step:
-            sched.step()
+        with OpCounter() as step:
+            spans.hook = recorder = PhaseRecorder(counter=step)
+            try:
+                sched.step()
+            finally:
+                spans.hook = None
         if len(sched.running) != len(prompts):
             raise AssertionError("a request finished inside the counted steps")
-        counted.append((step, model))
+        counted.append((step, _model_allocs(engine, recorder)))
     while sched.has_work():
         sched.step()
     return counted
@@ -93,9 +98,7 @@ class TestNoPerStepScalar(CustomTestCase):
             self.assertGreater(step.ops, 100)  # the counter saw the real step
 
     def test_guard_fails_on_the_regressed_helper(self):
-        engine = _engine()
-        with variant("after"):
-            counted = count_decode_steps(engine)
+        counted = count_decode_steps(_engine(variant="after"))
         # Exactly the proposer's scalar, once per step.
         self.assertEqual([s.int32_scalars for s, _ in counted], [1] * STEPS)
         self.assertEqual(
@@ -108,8 +111,7 @@ class TestNoPerStepScalar(CustomTestCase):
         # before == fixed op for op; after == fixed + torch.tensor(n) (CPU).
         by_variant = {}
         for name in ("before", "after", "fixed"):
-            with variant(name):
-                counted = count_decode_steps(_engine())
+            counted = count_decode_steps(_engine(variant=name))
             by_variant[name] = [dict(step.by_op) for step, _ in counted]
         self.assertEqual(by_variant["before"], by_variant["fixed"])
         for after, fixed in zip(by_variant["after"], by_variant["fixed"]):
@@ -138,37 +140,36 @@ class TestNoPerStepScalar(CustomTestCase):
 
 
 class TestGlueAllocations(CustomTestCase):
-    """Issue 9 item 3: outside the model forwards a greedy step allocates 0."""
+    """Outside the model's own compute a decode step allocates nothing."""
 
     def _glue(self, counted):
-        return [step.allocs - model.allocs for step, model in counted]
+        return [step.allocs - model for step, model in counted]
 
     def test_dspark_step_glue_allocates_nothing(self):
         for prompts in (PROMPTS[:1], PROMPTS):  # bs 1, and bs 3 padded to 4
-            with self.subTest(bs=len(prompts)):
-                counted = count_decode_steps(_engine(), prompts=prompts)
-                self.assertEqual(self._glue(counted), [0] * STEPS)
-                for step, model in counted:
-                    self.assertGreater(model.allocs, 0)  # the forwards were seen
-                    self.assertLess(model.ops, step.ops)
+            for temperature in (0.0, 1.0, [0.0, 1.0, 0.7][: len(prompts)]):
+                with self.subTest(bs=len(prompts), temperature=temperature):
+                    counted = count_decode_steps(
+                        _engine(), prompts=prompts, temperature=temperature
+                    )
+                    self.assertEqual(self._glue(counted), [0] * STEPS)
+                    for step, model in counted:
+                        self.assertGreater(model, 0)  # the forwards were seen
 
-    def test_dspark_sampling_step_glue_allocates_nothing(self):
-        # Every request samples: Gumbel draws into the proposer's buffers,
-        # rejection sampling into verify's (rejection_verify_into).
-        for prompts in (PROMPTS[:1], PROMPTS):
-            with self.subTest(bs=len(prompts)):
-                engine = _engine()
-                greedy = count_decode_steps(engine, prompts=prompts)
-                sampled = count_decode_steps(engine, prompts=prompts, temperature=1.0)
-                self.assertEqual(self._glue(sampled), [0] * STEPS)
-                # The model forwards are the same; the glue adds a few ops.
-                for (g_step, g_model), (s_step, s_model) in zip(greedy, sampled):
-                    self.assertEqual(s_model.ops, g_model.ops)
-                    self.assertGreater(s_step.ops, g_step.ops)
+    def test_sampling_adds_glue_ops_not_model_ops(self):
+        engine = _engine()
+        greedy = count_decode_steps(engine)
+        sampled = count_decode_steps(engine, temperature=1.0)
+        for (g_step, g_model), (s_step, s_model) in zip(greedy, sampled):
+            self.assertEqual(s_model, g_model)
+            self.assertGreater(s_step.ops, g_step.ops)
 
     def test_plain_step_glue_allocates_nothing(self):
-        counted = count_decode_steps(_engine(speculative_algorithm=None))
-        self.assertEqual(self._glue(counted), [0] * STEPS)
+        for temperature in (0.0, 1.0):
+            counted = count_decode_steps(
+                _engine(speculative_algorithm=None), temperature=temperature
+            )
+            self.assertEqual(self._glue(counted), [0] * STEPS)
 
     def test_counted_greedy_output_equals_plain(self):
         # The buffered glue keeps DSpark greedy == plain greedy, token for token.
@@ -184,38 +185,24 @@ class TestGlueAllocations(CustomTestCase):
 
     def test_markov_head_matches_the_models(self):
         # The proposer's buffered Markov head computes exactly
-        # DSparkDraftModel.markov_correction: same logits, same draft tokens.
+        # DSparkDraftModel.markov_correction: same corrections, and each
+        # draft the argmax of base + correction, for the block it proposed.
         engine = _engine()
-        proposer, draft = engine.worker.proposer, engine.worker.draft_model
-        seen = {}  # the first decode step's (all three requests running)
-        forward, propose = proposer.draft_runner.forward, proposer.propose
-
-        def spy_forward(forward_batch):
-            out = forward(forward_batch)
-            seen.setdefault("base", out.logits.clone())
-            return out
-
-        def spy_propose(*, batch, window, **kwargs):
-            seen.setdefault("anchor", batch.last_ids.clone())
-            proposal = propose(batch=batch, window=window, **kwargs)
-            seen.setdefault("tokens", proposal.draft_tokens.clone())
-            seen.setdefault(
-                "logits", proposer._draft_logits[: batch.batch_size].clone()
-            )
-            return proposal
-
-        proposer.draft_runner.forward = spy_forward
-        proposer.propose = spy_propose
-        count_decode_steps(engine, steps=1)
-        bs, gamma = len(PROMPTS), proposer.gamma
-        base = seen["base"].view(bs, gamma, -1)
-        prev = torch.cat([seen["anchor"].unsqueeze(1), seen["tokens"][:, :-1]], 1)
+        worker = engine.worker
+        count_decode_steps(engine, steps=1)  # the buffers hold a real step
+        bs = len(PROMPTS)
+        views, gamma = worker.buffers.at(bs), worker.gamma
+        worker.proposer.propose(views=views, mode=SamplingMode.GREEDY)
+        anchors = views.block_anchors.clone()
+        base = worker.draft_runner.forward(views.draft_batch).logits.view(bs, gamma, -1)
+        tokens = views.drafts.clone()
+        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], 1)
+        draft = worker.draft_model
         for k in range(gamma):
-            expected = base[:, k] + draft.markov_correction(prev[:, k])
-            self.assertTrue(torch.equal(seen["logits"][:, k], expected))
-            self.assertEqual(
-                seen["tokens"][:, k].tolist(), expected.argmax(-1).tolist()
-            )
+            correction = draft.markov_correction(prev[:, k])
+            self.assertTrue(torch.equal(views.corrections[k], correction))
+            expected = base[:, k] + correction
+            self.assertEqual(tokens[:, k].tolist(), expected.argmax(-1).tolist())
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from sglang.srt.distributed.parallel_state import (
     init_parallel_from_distributed,
 )
 from sglang.srt.layers.moe.ep_moe import EPMoE
-from sglang.srt.utils.op_counter import OpCounter, count_calls
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.phases import PhaseRecorder
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase, expert_groups, spawn_ranks
 
@@ -79,7 +80,7 @@ def _run(engine) -> dict:
         original = runner.forward
 
         def spy(fb, name=name, original=original):
-            if fb.forward_mode.is_target_verify():
+            if not fb.forward_mode.is_extend():  # decode steps only
                 value = fb.num_token_non_padded
                 scalars[name].append(
                     None if value is None else [str(value.dtype), int(value)]
@@ -104,18 +105,17 @@ def _count_decode_steps(engine) -> list:
     counts = []
     worker = engine.worker
     decode_step = worker.decode_step
-    forwards = [
-        (worker.draft_runner, "forward"),
-        (worker.target_worker.model_runner, "forward"),
-        (worker.draft_model, "write_context"),
-        (worker.draft_model, "init_forward_metadata"),
-        (worker.target_worker.model, "init_forward_metadata"),
-    ]
 
     def counted(*, batch):
-        with count_calls(forwards) as model, OpCounter() as step:
-            out = decode_step(batch=batch)
-        glue_allocs = step.allocs - model.allocs
+        with OpCounter() as step:
+            worker.spans.hook = recorder = PhaseRecorder(counter=step)
+            try:
+                out = decode_step(batch=batch)
+            finally:
+                worker.spans.hook = None
+        totals = recorder.totals
+        model = sum(totals[name]["allocs"] for name in worker.MODEL_SPANS)
+        glue_allocs = step.allocs - model
         counts.append([step.int32_scalars, step.h2d_copies, glue_allocs, step.ops])
         return out
 

@@ -1,5 +1,8 @@
 """DraftBlockProposer: block layout, shapes, num_token_non_padded at its call
-site, and the Markov head (tabulated for small vocabularies, low-rank above)."""
+site, and the Markov head (tabulated for small vocabularies, low-rank above).
+
+The proposer is driven as the worker drives it in a step's draft phase:
+prepare (bind, pad, scalars, noise), the window, then propose."""
 
 import unittest
 from unittest import mock
@@ -53,22 +56,34 @@ class TestDraftBlockProposer(CustomTestCase):
 
         runner.forward = spy
 
-    def _propose(self, batch):
-        window = self.worker.window(batch)
-        proposal = self.proposer.propose(batch=batch, window=window)
-        return window, proposal
+    def _propose(self, batch, seed=None):
+        """The draft phase of a step: (the views it ran on, the proposal)."""
+        worker, mode = self.worker, batch.sampling_mode
+        if seed is not None:
+            worker.generator.manual_seed(seed)
+        rows = worker._prepare(batch, mode)
+        views = worker.buffers.at(rows)
+        views.verify_batch.max_kv_len = max(batch.seq_lens_cpu) + self.gamma
+        worker._fill_inputs(views)
+        return views, self.proposer.propose(views=views, mode=mode)
 
     def test_block_layout_and_shapes(self):
         batch = self._make_batch()
-        window, proposal = self._propose(batch)
+        views, proposal = self._propose(batch)
+        window = views.window
         bs, gamma = batch.batch_size, self.gamma
-        self.assertEqual(proposal.draft_tokens.shape, (bs, gamma))
-        self.assertEqual(proposal.block_ids.shape, (bs, gamma))
-        self.assertEqual(proposal.block_ids[:, 0].tolist(), batch.last_ids.tolist())
+        rows = views.state.seq_lens.shape[0]  # padded to the bucket
+        self.assertEqual(rows, 4)
+        self.assertEqual(proposal.draft_tokens.shape, (rows, gamma))
+        self.assertEqual(proposal.block_ids.shape, (rows, gamma))
+        anchors = proposal.block_ids[:bs, 0].tolist()
+        self.assertEqual(anchors, batch.last_ids.tolist())
         self.assertTrue(bool((proposal.block_ids[:, 1:] == self.mask_id).all()))
-        self.assertIsNone(proposal.draft_logits)  # all greedy
+        self.assertIsNone(proposal.draft_probs)  # all greedy
+        # The drafts are the verify batch's, written in place.
+        self.assertEqual(proposal.draft_tokens.data_ptr(), views.drafts.data_ptr())
         fb = self.seen[-1]
-        self.assertEqual(fb.forward_mode, ForwardMode.TARGET_VERIFY)
+        self.assertEqual(fb.forward_mode, ForwardMode.DRAFT_EXTEND_V2)
         self.assertEqual(fb.tokens_per_req, gamma)
         seq = batch.seq_lens.tolist()
         for b in range(bs):
@@ -87,8 +102,8 @@ class TestDraftBlockProposer(CustomTestCase):
 
     def test_sampling_keeps_corrected_logits(self):
         batch = self._make_batch(temperatures=(0.0, 0.7, 1.0))
-        _, proposal = self._propose(batch)
-        logits = proposal.draft_logits
+        views, proposal = self._propose(batch)
+        logits = views.corrected.transpose(0, 1)[:3]  # [bs, gamma, V]
         self.assertEqual(logits.shape, (3, self.gamma, self.engine.vocab_size))
         # Greedy row: each draft token is the argmax of its corrected logits.
         self.assertEqual(
@@ -97,9 +112,9 @@ class TestDraftBlockProposer(CustomTestCase):
         # Corrected = the draft forward's logits + W2(W1[previous token]),
         # the previous token being the anchor for slot 0.
         draft = self.engine.worker.draft_model
-        base = self.base_logits[-1].view(3, self.gamma, -1)
+        base = self.base_logits[-1].view(4, self.gamma, -1)
         prev = torch.cat(
-            [batch.last_ids.unsqueeze(1), proposal.draft_tokens[:, :-1]], 1
+            [batch.last_ids.unsqueeze(1), proposal.draft_tokens[:3, :-1]], 1
         )
         for b in range(3):
             expected = base[b] + draft.markov_correction(prev[b])
@@ -114,27 +129,23 @@ class TestDraftBlockProposer(CustomTestCase):
         for temps in ((0.0, 0.7, 1.0), (1.3, 0.7, 1.0)):
             batch = self._make_batch(temperatures=temps)
             counts = torch.zeros(3, self.engine.vocab_size, dtype=torch.float64)
-            generator = torch.Generator(self.device)
             for seed in range(n):
-                generator.manual_seed(seed)
-                proposal = self.proposer.propose(
-                    batch=batch, window=self.worker.window(batch), generator=generator
-                )
-                first = proposal.draft_tokens[:, 0].cpu()
+                views, proposal = self._propose(batch, seed=seed)
+                first = proposal.draft_tokens[:3, 0].cpu()
                 counts[torch.arange(3), first] += 1
-            q = proposal.draft_probs[:, 0].double().cpu()
+            q = proposal.draft_probs[0, :3].double().cpu()  # slot 0: [bs, V]
             # Some sampled row is a real draw, not a near-certain token.
             sampled = [b for b, t in enumerate(temps) if t > 0]
             self.assertLess(min(q[b].max().item() for b in sampled), 0.9)
             for b, t in enumerate(temps):
                 with self.subTest(temperatures=temps, row=b):
-                    logits = proposal.draft_logits[b].double().cpu()
+                    logits = views.corrected[:, b].double().cpu()  # [gamma, V]
                     if t == 0:
                         self.assertEqual(counts[b].max().item(), n)  # argmax
                         continue
                     want = torch.softmax(logits / t, dim=-1)
                     torch.testing.assert_close(
-                        proposal.draft_probs[b].double().cpu(),
+                        proposal.draft_probs[:, b].double().cpu(),
                         want,
                         rtol=1e-4,
                         atol=1e-6,
@@ -146,11 +157,12 @@ class TestDraftBlockProposer(CustomTestCase):
         batch = self._make_batch()
         bs = batch.batch_size
         _, off = self._propose(batch)
-        tokens_off = off.draft_tokens.clone()
+        tokens_off = off.draft_tokens[:bs].clone()  # the real rows
         self.assertIsNone(self.seen[-1].num_token_non_padded)
         self.assertEqual(self.seen[-1].num_token_non_padded_cpu, bs * self.gamma)
 
-        # EP size 2 set explicitly: the predicate turns on at the call site.
+        # EP size 2 set explicitly: the predicate turns on at the call site
+        # (the buffers bound at EP 1 stay; the scalar is set per step).
         with get_parallel().override(moe_ep_size=2, moe_ep_rank=0):
             _, on = self._propose(batch)
         scalar = self.seen[-1].num_token_non_padded
@@ -159,12 +171,12 @@ class TestDraftBlockProposer(CustomTestCase):
         self.assertEqual(int(scalar), bs * self.gamma)
         self.assertEqual(self.seen[-1].num_token_non_padded_cpu, bs * self.gamma)
         # The scalar masks only padded rows: real rows' arithmetic is unchanged.
-        self.assertEqual(on.draft_tokens.tolist(), tokens_off.tolist())
+        self.assertEqual(on.draft_tokens[:bs].tolist(), tokens_off.tolist())
 
         with mock.patch(PREDICATE, return_value=True):
             _, patched = self._propose(batch)
         self.assertEqual(int(self.seen[-1].num_token_non_padded), bs * self.gamma)
-        self.assertEqual(patched.draft_tokens.tolist(), tokens_off.tolist())
+        self.assertEqual(patched.draft_tokens[:bs].tolist(), tokens_off.tolist())
 
     def test_markov_table_is_the_low_rank_head(self):
         draft = self.worker.draft_model
@@ -187,12 +199,9 @@ class TestDraftBlockProposer(CustomTestCase):
 
     def test_large_vocab_keeps_the_low_rank_path(self):
         batch = self._make_batch(temperatures=(0.0, 0.7, 0.0))
-        generator = torch.Generator(self.device)
-        generator.manual_seed(3)
-        tabulated = self.proposer.propose(
-            batch=batch, window=self.worker.window(batch), generator=generator
-        )
-        tokens, logits = tabulated.draft_tokens.clone(), tabulated.draft_logits.clone()
+        views, tabulated = self._propose(batch, seed=3)
+        tokens = tabulated.draft_tokens[:3].clone()
+        logits = views.corrected.transpose(0, 1)[:3].clone()
         draft = self.worker.draft_model
         prev = torch.cat([batch.last_ids.unsqueeze(1), tokens[:, :-1]], 1)
         with mock.patch.object(dspark, "MARKOV_TABLE_MAX_VOCAB", 255):
@@ -200,23 +209,21 @@ class TestDraftBlockProposer(CustomTestCase):
             with torch.no_grad():
                 expected = draft.markov_w2(draft.markov_w1(prev))
             self.assertTrue(torch.equal(draft.markov_correction(prev), expected))
-            generator.manual_seed(3)
-            low_rank = self.proposer.propose(
-                batch=batch, window=self.worker.window(batch), generator=generator
-            )
+            views, low_rank = self._propose(batch, seed=3)
         # The same head, rounded differently: the same draft tokens.
-        self.assertEqual(low_rank.draft_tokens.tolist(), tokens.tolist())
-        torch.testing.assert_close(low_rank.draft_logits, logits, rtol=1e-5, atol=1e-5)
-        base = self.base_logits[-1].view(batch.batch_size, self.gamma, -1)
+        self.assertEqual(low_rank.draft_tokens[:3].tolist(), tokens.tolist())
+        low_rank_logits = views.corrected.transpose(0, 1)[:3]
+        torch.testing.assert_close(low_rank_logits, logits, rtol=1e-5, atol=1e-5)
+        base = self.base_logits[-1].view(4, self.gamma, -1)[:3]
         torch.testing.assert_close(
-            low_rank.draft_logits, base + expected, rtol=1e-6, atol=1e-6
+            low_rank_logits, base + expected, rtol=1e-6, atol=1e-6
         )
 
     def test_batch_over_capacity_is_an_error(self):
-        batch = self._make_batch()
-        self.proposer.max_batch_size = 2
-        with self.assertRaisesRegex(ValueError, "max_batch_size=2"):
-            self._propose(batch)
+        reqs = self._make_batch().reqs
+        big = ScheduleBatch.from_reqs(reqs * 3, self.worker.device)  # 9 > 8
+        with self.assertRaisesRegex(ValueError, "max_batch_size=8"):
+            self.worker.decode_step(batch=big)
 
     def _make_batch(self, temperatures=(0.0, 0.0, 0.0)) -> ScheduleBatch:
         sched = self.engine.scheduler

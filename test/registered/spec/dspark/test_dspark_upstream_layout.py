@@ -24,7 +24,11 @@ UPSTREAM = {
     ),
     "sglang.srt.speculative.dspark_components.dspark_planner": ("VerifyWindow",),
     "sglang.srt.speculative.dspark_components.dspark_config": ("DSparkConfig",),
-    "sglang.srt.speculative.dspark_components.dspark_verify": ("verify",),
+    "sglang.srt.speculative.dspark_components.dspark_verify": (
+        "accept",
+        "greedy_accept",
+        "rejection_accept",
+    ),
     "sglang.srt.speculative.dspark_components.dspark_worker_v2": ("DSparkWorker",),
     "sglang.srt.models.dspark": ("DSparkDraftModel",),
     "sglang.srt.runtime_context": ("get_parallel",),
@@ -32,6 +36,7 @@ UPSTREAM = {
         "ForwardBatch",
         "ForwardMode",
         "CaptureHiddenMode",
+        "ModelOutput",
         "enable_num_token_non_padded",
     ),
     "sglang.srt.arg_groups.speculative_hook": (
@@ -88,6 +93,53 @@ class TestUpstreamLayout(CustomTestCase):
                     with self.subTest(file=path.name, module=node.module):
                         self.assertEqual(private, [])
 
+    def test_draft_block_has_its_own_forward_mode(self):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        self.assertTrue(ForwardMode.DRAFT_EXTEND_V2.is_draft_extend_v2())
+        self.assertFalse(ForwardMode.DRAFT_EXTEND_V2.is_target_verify())
+
+    def test_layers_import_nothing_above_them(self):
+        # layers/ take what they need as arguments: no import of the batch
+        # types (model_executor), the managers or the models above them.
+        above = ("model_executor", "managers", "models", "speculative", "entrypoints")
+        for path in sorted((SRT / "layers").rglob("*.py")):
+            for module in _imports(path):
+                with self.subTest(file=path.name, module=module):
+                    self.assertFalse(
+                        any(module.startswith(f"sglang.srt.{a}") for a in above)
+                    )
+
+    def test_model_executor_imports_no_model(self):
+        for path in sorted((SRT / "model_executor").glob("*.py")):
+            for module in _imports(path):
+                with self.subTest(file=path.name, module=module):
+                    self.assertFalse(module.startswith("sglang.srt.models"))
+
+    def test_scheduler_drives_workers_by_interface(self):
+        # The Engine hands the scheduler its worker; the scheduler names no
+        # worker class.
+        modules = _imports(SRT / "managers" / "scheduler.py")
+        self.assertFalse([m for m in modules if "speculative" in m or "tp_worker" in m])
+
+    def test_one_accept_implementation_per_rule_one_view_cache(self):
+        defs = {}
+        for path in sorted(SRT.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef):
+                    defs.setdefault(node.name, []).append(path.name)
+        self.assertEqual(defs["greedy_accept"], ["dspark_verify.py"])
+        self.assertEqual(defs["rejection_accept"], ["dspark_verify.py"])
+        self.assertNotIn("greedy_verify", defs)
+        self.assertNotIn("rejection_verify_into", defs)
+        # Per-batch-size views are cut in one place: StepBuffers.at.
+        caches = [
+            path.name
+            for path in sorted(SRT.rglob("*.py"))
+            if "self._views" in path.read_text()
+        ]
+        self.assertEqual(caches, ["step_buffers.py"])
+
     def test_only_the_proposer_calls_the_draft_helper(self):
         callers = []
         for path in sorted(SRT.rglob("*.py")):
@@ -100,6 +152,17 @@ class TestUpstreamLayout(CustomTestCase):
                 ):
                     callers.append(path.relative_to(SRT).as_posix())
         self.assertEqual(callers, ["speculative/dspark_components/dspark_draft.py"])
+
+
+def _imports(path: Path) -> list:
+    """The sglang modules a file imports (also under TYPE_CHECKING)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return [m for m in found if m.startswith("sglang")]
 
 
 if __name__ == "__main__":

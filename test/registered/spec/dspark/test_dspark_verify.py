@@ -1,17 +1,18 @@
-"""DSpark verify: greedy prefix matching and lossless rejection sampling."""
+"""DSpark acceptance: greedy prefix matching and lossless rejection sampling,
+each rule once, into the step buffers (the code the engine runs)."""
 
 import math
 import unittest
 
 import torch
 
+from sglang.srt.layers.sampler import SamplingMode, draw_log_exp1_
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_verify import (
-    VerifyBuffers,
-    VerifyResult,
-    greedy_verify,
-    rejection_verify,
-    rejection_verify_into,
-    verify,
+    accept,
+    greedy_accept,
+    rejection_accept,
 )
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -34,24 +35,63 @@ def _frequencies(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(ids, minlength=vocab).double() / ids.numel()
 
 
+def _views(bs: int, gamma: int, vocab: int, max_bs: int = 0):
+    """Step buffers of their own (no model behind them), cut to ``bs``."""
+    runner = ModelRunner(
+        forward=None, req_to_token_pool=None, token_to_kv_pool=None, device="cpu"
+    )
+    buffers = DSparkStepBuffers(
+        max_batch_size=max(bs, max_bs),
+        gamma=gamma,
+        vocab_size=vocab,
+        markov_rank=1,
+        mask_token_id=0,
+        target_runner=runner,
+        draft_runner=runner,
+    )
+    buffers.set_constants(bs)
+    return buffers.at(bs)
+
+
+def _set_temperatures(views, temperatures) -> None:
+    t = torch.as_tensor(temperatures, dtype=torch.float32)
+    state = views.state
+    state.temperatures.copy_(t)
+    state.is_sampled.copy_(t > 0)
+    state.neg_temperatures.copy_(-t.unsqueeze(1))
+    inv = torch.where(t > 0, 1 / t.clamp_min(1e-6), torch.ones_like(t))
+    state.inv_temperatures.copy_(inv.unsqueeze(1))
+
+
+def _accept(views, *, drafts, target_logits, q=None, mode, seed=0):
+    """Run ``accept`` with fresh draws; (accept lengths, bonus, outputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    views.drafts.copy_(drafts)
+    if q is not None:
+        views.q_drafts.copy_(q.transpose(0, 1))  # [g, bs, V], slot-major
+    views.u.uniform_(generator=gen)
+    draw_log_exp1_(views.log_e, gen)
+    accept(
+        views=views,
+        target_logits=target_logits.reshape(-1, target_logits.shape[-1]),
+        mode=mode,
+    )
+    accept_lens = views.accept_lens.clone()
+    bonus = views.state.last_ids.clone()
+    outputs = [
+        drafts[i, :a].tolist() + [b]
+        for i, (a, b) in enumerate(zip(accept_lens.tolist(), bonus.tolist()))
+    ]
+    return accept_lens, bonus, outputs
+
+
 def _one_hot_logits(argmax: torch.Tensor, vocab: int, gen: torch.Generator):
     # argmax: [bs, rows] -> [bs, rows, vocab] logits whose argmax is `argmax`
     noise = torch.rand(argmax.shape + (vocab,), generator=gen)
     return noise.scatter(-1, argmax.unsqueeze(-1), 10.0)
 
 
-def _sample(probs: torch.Tensor, shape, gen: torch.Generator) -> torch.Tensor:
-    flat = torch.multinomial(probs, math.prod(shape), replacement=True, generator=gen)
-    return flat.view(shape)
-
-
-def _assert_same(test: unittest.TestCase, a: VerifyResult, b: VerifyResult):
-    test.assertTrue(torch.equal(a.accept_lens, b.accept_lens))
-    test.assertTrue(torch.equal(a.bonus_ids, b.bonus_ids))
-    test.assertTrue(torch.equal(a.output_ids, b.output_ids))
-
-
-class TestGreedyVerify(CustomTestCase):
+class TestGreedyAccept(CustomTestCase):
     GAMMA, VOCAB = 4, 16
 
     def _case(self):
@@ -67,242 +107,159 @@ class TestGreedyVerify(CustomTestCase):
 
     def test_every_accept_length_in_one_batch(self):
         target, drafts, logits = self._case()
-        result = greedy_verify(draft_tokens=drafts, target_logits=logits)
-        self.assertEqual(result.accept_lens.tolist(), list(range(self.GAMMA + 1)))
-        self.assertEqual(result.accept_lens.dtype, torch.int64)
-        self.assertEqual(tuple(result.output_ids.shape), (5, self.GAMMA + 1))
+        views = _views(self.GAMMA + 1, self.GAMMA, self.VOCAB)
+        lens, bonus, outputs = _accept(
+            views, drafts=drafts, target_logits=logits, mode=SamplingMode.GREEDY
+        )
+        self.assertEqual(lens.tolist(), list(range(self.GAMMA + 1)))
         for i in range(self.GAMMA + 1):
             with self.subTest(row=i):
                 # Bonus: target argmax at the first mismatch, or the last row.
-                self.assertEqual(result.bonus_ids[i].item(), target[i, i].item())
-                expected = drafts[i, :i].tolist() + [target[i, i].item()]
-                self.assertEqual(result.output_ids[i, : i + 1].tolist(), expected)
+                self.assertEqual(bonus[i].item(), target[i, i].item())
+                self.assertEqual(
+                    outputs[i], drafts[i, :i].tolist() + [target[i, i].item()]
+                )
 
-    def test_rows_are_independent(self):
-        # Each row alone gives the same answer as inside the batch.
+    def test_rows_are_independent_of_batch_size(self):
+        # Each row alone, through views cut at size 1 of the same buffers,
+        # gives the answer it gets inside the batch.
         target, drafts, logits = self._case()
-        batched = greedy_verify(draft_tokens=drafts, target_logits=logits)
-        for i in range(self.GAMMA + 1):
-            alone = greedy_verify(
-                draft_tokens=drafts[i : i + 1], target_logits=logits[i : i + 1]
-            )
-            self.assertEqual(alone.accept_lens.item(), batched.accept_lens[i].item())
-            self.assertEqual(alone.bonus_ids.item(), batched.bonus_ids[i].item())
-
-    def test_verify_without_temperatures_is_greedy(self):
-        _, drafts, logits = self._case()
-        _assert_same(
-            self,
-            verify(
-                draft_tokens=drafts,
-                draft_logits=None,
-                target_logits=logits,
-                temperatures=None,
-            ),
-            greedy_verify(draft_tokens=drafts, target_logits=logits),
+        bs = self.GAMMA + 1
+        batched = _accept(
+            _views(bs, self.GAMMA, self.VOCAB),
+            drafts=drafts,
+            target_logits=logits,
+            mode=SamplingMode.GREEDY,
         )
+        for i in range(bs):
+            alone = _accept(
+                _views(1, self.GAMMA, self.VOCAB, max_bs=bs),
+                drafts=drafts[i : i + 1],
+                target_logits=logits[i : i + 1],
+                mode=SamplingMode.GREEDY,
+            )
+            self.assertEqual(alone[2][0], batched[2][i])
 
-    def test_result_is_frozen(self):
+    def test_allocates_nothing_and_reads_nothing(self):
         _, drafts, logits = self._case()
-        result = greedy_verify(draft_tokens=drafts, target_logits=logits)
-        with self.assertRaises(AttributeError):
-            result.accept_lens = torch.zeros(1)
+        views = _views(self.GAMMA + 1, self.GAMMA, self.VOCAB)
+        views.drafts.copy_(drafts)
+        flat = logits.reshape(-1, self.VOCAB)
+        for mode in SamplingMode:
+            accept(views=views, target_logits=flat, mode=mode)  # warm
+            with OpCounter() as c:
+                accept(views=views, target_logits=flat, mode=mode)
+            with self.subTest(mode=mode):
+                self.assertEqual((c.allocs, c.host_reads), (0, 0))
+                self.assertGreater(c.ops, 4)
 
 
-class TestRejectionVerify(CustomTestCase):
+class TestRejectionAccept(CustomTestCase):
     VOCAB, GAMMA = 5, 2
     P = torch.tensor([0.40, 0.25, 0.15, 0.15, 0.05], dtype=torch.float64)
     Q = torch.tensor([0.10, 0.45, 0.05, 0.20, 0.20], dtype=torch.float64)
 
     def _run(self, p, q, seed=0, n=N):
-        gen = torch.Generator().manual_seed(seed)
-        drafts = _sample(q.float(), (n, self.GAMMA), gen)
-        result = rejection_verify(
-            draft_tokens=drafts,
-            draft_probs=q.float().expand(n, self.GAMMA, self.VOCAB),
-            target_probs=p.float().expand(n, self.GAMMA + 1, self.VOCAB),
-            generator=gen,
+        gen = torch.Generator().manual_seed(1000 + seed)
+        drafts = torch.multinomial(
+            q.float(), n * self.GAMMA, replacement=True, generator=gen
+        ).view(n, self.GAMMA)
+        views = _views(n, self.GAMMA, self.VOCAB)
+        _set_temperatures(views, torch.ones(n))
+        logits = p.float().log().expand(n, self.GAMMA + 1, self.VOCAB)
+        q_rows = q.float().expand(n, self.GAMMA, self.VOCAB)
+        lens, bonus, outputs = _accept(
+            views,
+            drafts=drafts,
+            target_logits=logits,
+            q=q_rows,
+            mode=SamplingMode.SAMPLED,
+            seed=seed,
         )
-        return drafts, result
+        first = torch.tensor([o[0] for o in outputs])
+        return drafts, lens, bonus, first, outputs
 
     def test_first_token_follows_p(self):
-        drafts, result = self._run(self.P, self.Q)
+        drafts, _, _, first, _ = self._run(self.P, self.Q)
         tol = _tolerance(N)
         # The drafts themselves follow q, far from p: the check can tell.
         self.assertLess((_frequencies(drafts[:, 0], 5) - self.Q).abs().max(), tol)
         self.assertGreater((self.P - self.Q).abs().max(), 20 * tol)
-        first = _frequencies(result.output_ids[:, 0], self.VOCAB)
-        self.assertLess((first - self.P).abs().max().item(), tol)
+        self.assertLess((_frequencies(first, self.VOCAB) - self.P).abs().max(), tol)
 
     def test_second_token_follows_p(self):
-        _, result = self._run(self.P, self.Q)
-        kept = result.accept_lens >= 1
-        n_kept = int(kept.sum())
-        self.assertGreater(n_kept, N // 4)
-        second = _frequencies(result.output_ids[kept, 1], self.VOCAB)
-        self.assertLess((second - self.P).abs().max().item(), _tolerance(n_kept))
+        _, lens, _, _, outputs = self._run(self.P, self.Q)
+        second = torch.tensor([o[1] for o, a in zip(outputs, lens.tolist()) if a >= 1])
+        self.assertGreater(second.numel(), N // 4)
+        freq = _frequencies(second, self.VOCAB)
+        self.assertLess((freq - self.P).abs().max(), _tolerance(second.numel()))
 
     def test_acceptance_rate(self):
-        _, result = self._run(self.P, self.Q)
+        _, lens, _, _, _ = self._run(self.P, self.Q)
         alpha = torch.minimum(self.P, self.Q).sum().item()  # 0.55
         tol = _tolerance(N)
-        accepted_first = (result.accept_lens >= 1).double().mean().item()
-        self.assertAlmostEqual(accepted_first, alpha, delta=tol)
+        self.assertAlmostEqual((lens >= 1).double().mean().item(), alpha, delta=tol)
         # Same p and q at every position: all gamma accepted with alpha**gamma.
-        accepted_all = (result.accept_lens == self.GAMMA).double().mean().item()
-        self.assertAlmostEqual(accepted_all, alpha**self.GAMMA, delta=tol)
-        self.assertEqual(result.accept_lens.min().item(), 0)
-        self.assertEqual(result.accept_lens.max().item(), self.GAMMA)
+        all_in = (lens == self.GAMMA).double().mean().item()
+        self.assertAlmostEqual(all_in, alpha**self.GAMMA, delta=tol)
+        self.assertEqual((lens.min().item(), lens.max().item()), (0, self.GAMMA))
 
     def test_bonus_after_rejection_is_the_residual(self):
-        _, result = self._run(self.P, self.Q)
-        rejected = result.accept_lens == 0
+        _, lens, bonus, _, _ = self._run(self.P, self.Q)
+        rejected = lens == 0
         residual = (self.P - self.Q).clamp_min(0)
         residual = residual / residual.sum()
-        bonus = _frequencies(result.bonus_ids[rejected], self.VOCAB)
-        self.assertLess(
-            (bonus - residual).abs().max().item(), _tolerance(int(rejected.sum()))
-        )
+        freq = _frequencies(bonus[rejected], self.VOCAB)
+        self.assertLess((freq - residual).abs().max(), _tolerance(int(rejected.sum())))
         # Tokens where q >= p never come out of a rejection.
-        self.assertEqual(bonus[self.Q >= self.P].sum().item(), 0.0)
+        self.assertEqual(freq[self.Q >= self.P].sum().item(), 0.0)
 
     def test_q_equals_p_accepts_everything(self):
-        drafts, result = self._run(self.P, self.P, n=20_000)
-        self.assertTrue(bool((result.accept_lens == self.GAMMA).all()))
-        self.assertTrue(torch.equal(result.output_ids[:, : self.GAMMA], drafts))
+        drafts, lens, bonus, _, outputs = self._run(self.P, self.P, n=20_000)
+        self.assertTrue(bool((lens == self.GAMMA).all()))
+        self.assertEqual([o[: self.GAMMA] for o in outputs], drafts.tolist())
         # All accepted: the bonus is drawn from the last target row, p.
-        bonus = _frequencies(result.bonus_ids, self.VOCAB)
-        self.assertLess((bonus - self.P).abs().max().item(), _tolerance(20_000))
+        freq = _frequencies(bonus, self.VOCAB)
+        self.assertLess((freq - self.P).abs().max(), _tolerance(20_000))
 
     def test_disjoint_q_rejects_everything(self):
         p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64)
         q = torch.tensor([0.0, 0.0, 0.0, 0.6, 0.4], dtype=torch.float64)
-        _, result = self._run(p, q, n=50_000)
-        self.assertTrue(bool((result.accept_lens == 0).all()))
-        self.assertTrue(torch.equal(result.output_ids[:, 0], result.bonus_ids))
-        bonus = _frequencies(result.bonus_ids, self.VOCAB)
-        self.assertLess((bonus - p).abs().max().item(), _tolerance(50_000))
-        self.assertEqual(bonus[3:].sum().item(), 0.0)
-
-    def test_same_seed_same_result(self):
-        _, a = self._run(self.P, self.Q, seed=7, n=5_000)
-        _, b = self._run(self.P, self.Q, seed=7, n=5_000)
-        _, c = self._run(self.P, self.Q, seed=8, n=5_000)
-        _assert_same(self, a, b)
-        self.assertFalse(torch.equal(a.output_ids, c.output_ids))
-
-
-class TestRejectionVerifyInto(CustomTestCase):
-    """The worker's path for all-sampling batches: ``rejection_verify``'s
-    arithmetic and draws, into preallocated buffers."""
-
-    MAX_BS, GAMMA, VOCAB = 8, 4, 13
-
-    def setUp(self):
-        super().setUp()
-        self.buffers = VerifyBuffers(
-            max_batch_size=self.MAX_BS,
-            gamma=self.GAMMA,
-            device="cpu",
-            vocab_size=self.VOCAB,
-        )
-
-    def _case(self, bs, seed):
-        gen = torch.Generator().manual_seed(100 + seed)
-        target_logits = torch.randn(bs, self.GAMMA + 1, self.VOCAB, generator=gen)
-        draft_logits = target_logits[:, : self.GAMMA] + torch.randn(
-            bs, self.GAMMA, self.VOCAB, generator=gen
-        )
-        inv_t = 1 / torch.linspace(0.5, 1.7, bs).unsqueeze(1)  # [bs, 1]
-        q = torch.softmax(draft_logits * inv_t.unsqueeze(-1), dim=-1)
-        drafts = torch.stack(
-            [torch.multinomial(r, 1, generator=gen) for r in q.view(-1, self.VOCAB)]
-        ).view(bs, self.GAMMA)
-        return drafts, q, target_logits, inv_t
-
-    def _both(self, drafts, q, target_logits, inv_t, seed):
-        into = rejection_verify_into(
-            draft_tokens=drafts,
-            draft_probs=q,
-            target_logits=target_logits,
-            inv_temperatures=inv_t,
-            buffers=self.buffers,
-            generator=torch.Generator().manual_seed(seed),
-        )
-        direct = rejection_verify(
-            draft_tokens=drafts,
-            draft_probs=q,
-            target_probs=torch.softmax(target_logits * inv_t.unsqueeze(-1), dim=-1),
-            generator=torch.Generator().manual_seed(seed),
-        )
-        return into, direct
-
-    def test_equals_rejection_verify(self):
-        accepts = set()
-        for bs in (8, 3, 1, 8):  # views cut per size, buffers reused
-            for seed in range(4):
-                with self.subTest(bs=bs, seed=seed):
-                    into, direct = self._both(*self._case(bs, seed), seed=seed)
-                    _assert_same(self, into, direct)
-                    accepts.update(into.accept_lens.tolist())
-        self.assertGreater(len(accepts), 2)  # rejections at several positions
+        _, lens, bonus, first, _ = self._run(p, q, n=50_000)
+        self.assertTrue(bool((lens == 0).all()))
+        self.assertTrue(torch.equal(first, bonus))
+        freq = _frequencies(bonus, self.VOCAB)
+        self.assertLess((freq - p).abs().max(), _tolerance(50_000))
+        self.assertEqual(freq[3:].sum().item(), 0.0)
 
     def test_no_residual_mass_falls_back_to_p(self):
         # q = 2p is no distribution: every draft is judged against u * 2p(x)
         # and max(p - q, 0) is 0 everywhere; the bonus comes from p. Token 0
         # lies outside p's support: a bonus drawn from the empty residual
-        # would be token 0 (the argmax of an all-zero or NaN row).
-        drafts, _, target_logits, inv_t = self._case(8, 0)
-        target_logits = target_logits.clone()
-        target_logits[..., 0] = float("-inf")
-        p = torch.softmax(target_logits * inv_t.unsqueeze(-1), dim=-1)
-        q = 2 * p[:, : self.GAMMA]
-        for seed in range(6):
-            into, direct = self._both(drafts, q, target_logits, inv_t, seed=seed)
-            _assert_same(self, into, direct)
-            rejected = into.accept_lens < self.GAMMA
-            self.assertTrue(bool(rejected.any()))
-            self.assertTrue(bool((into.bonus_ids[rejected] != 0).all()))
+        # would be token 0 (the argmax of an all -inf row).
+        p = torch.tensor([0.0, 0.3, 0.3, 0.2, 0.2], dtype=torch.float64)
+        _, lens, bonus, _, _ = self._run(p, 2 * p, n=5_000)
+        rejected = lens < self.GAMMA
+        self.assertTrue(bool(rejected.any()))
+        self.assertTrue(bool((bonus != 0).all()))
 
-    def test_allocates_nothing(self):
-        case = self._case(8, 1)
-        self._both(*case, seed=1)  # views cut
-        with OpCounter() as c:
-            rejection_verify_into(
-                draft_tokens=case[0],
-                draft_probs=case[1],
-                target_logits=case[2],
-                inv_temperatures=case[3],
-                buffers=self.buffers,
-            )
-        self.assertEqual(c.allocs, 0)
-        self.assertGreater(c.ops, 10)
-
-    def test_bad_buffers(self):
-        drafts, q, target_logits, inv_t = self._case(8, 0)
-        args = dict(
-            draft_tokens=drafts,
-            draft_probs=q,
-            target_logits=target_logits,
-            inv_temperatures=inv_t,
-        )
-        no_vocab = VerifyBuffers(max_batch_size=8, gamma=self.GAMMA, device="cpu")
-        with self.assertRaisesRegex(ValueError, "vocab_size"):
-            rejection_verify_into(buffers=no_vocab, **args)
-        small = VerifyBuffers(
-            max_batch_size=4, gamma=self.GAMMA, device="cpu", vocab_size=self.VOCAB
-        )
-        with self.assertRaisesRegex(ValueError, "max_batch_size=4"):
-            rejection_verify_into(buffers=small, **args)
+    def test_same_seed_same_result(self):
+        a = self._run(self.P, self.Q, seed=7, n=5_000)[4]
+        b = self._run(self.P, self.Q, seed=7, n=5_000)[4]
+        c = self._run(self.P, self.Q, seed=8, n=5_000)[4]
+        self.assertEqual(a, b)
+        self.assertNotEqual(a, c)
 
 
-class TestVerifyMixedTemperatures(CustomTestCase):
+class TestMixedBatch(CustomTestCase):
     BS, GAMMA, VOCAB = 6, 3, 11
 
     def _inputs(self):
         gen = torch.Generator().manual_seed(3)
         target_logits = torch.randn(self.BS, self.GAMMA + 1, self.VOCAB, generator=gen)
-        draft_logits = torch.randn(self.BS, self.GAMMA, self.VOCAB, generator=gen)
+        q = torch.softmax(
+            torch.randn(self.BS, self.GAMMA, self.VOCAB, generator=gen), -1
+        )
         # Drafts agree with the target argmax on exactly i % (gamma + 1) tokens.
         argmax = target_logits.argmax(-1)
         drafts = argmax[:, : self.GAMMA].clone()
@@ -310,63 +267,53 @@ class TestVerifyMixedTemperatures(CustomTestCase):
             k = i % (self.GAMMA + 1)
             if k < self.GAMMA:
                 drafts[i, k] = (argmax[i, k] + 1) % self.VOCAB
-        return drafts, draft_logits, target_logits
+        return drafts, q, target_logits
 
-    def _verify(self, temperatures, seed=0):
-        drafts, draft_logits, target_logits = self._inputs()
-        return verify(
-            draft_tokens=drafts,
-            draft_logits=draft_logits,
-            target_logits=target_logits,
-            temperatures=temperatures,
-            generator=torch.Generator().manual_seed(seed),
+    def _run(self, temperatures, mode, seed=0):
+        drafts, q, logits = self._inputs()
+        views = _views(self.BS, self.GAMMA, self.VOCAB)
+        _set_temperatures(views, temperatures)
+        return _accept(
+            views, drafts=drafts, target_logits=logits, q=q, mode=mode, seed=seed
         )
 
-    def test_greedy_rows_match_greedy_verify(self):
-        drafts, _, target_logits = self._inputs()
-        greedy = greedy_verify(draft_tokens=drafts, target_logits=target_logits)
-        self.assertEqual(greedy.accept_lens.tolist(), [0, 1, 2, 3, 0, 1])
-        temperatures = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0, 1.3])
-        is_greedy = temperatures == 0
+    def test_each_row_takes_its_own_rule(self):
+        temps = [0.0, 1.0, 0.0, 0.7, 0.0, 1.3]
+        greedy = self._run(temps, SamplingMode.GREEDY)
+        self.assertEqual(greedy[0].tolist(), [0, 1, 2, 3, 0, 1])
         for seed in range(5):
-            mixed = self._verify(temperatures, seed=seed)
-            for name in ("accept_lens", "bonus_ids", "output_ids"):
-                got, want = getattr(mixed, name), getattr(greedy, name)
-                self.assertTrue(torch.equal(got[is_greedy], want[is_greedy]), name)
-            self.assertTrue(bool((mixed.accept_lens <= self.GAMMA).all()))
+            mixed = self._run(temps, SamplingMode.MIXED, seed=seed)
+            sampled = self._run(temps, SamplingMode.SAMPLED, seed=seed)
+            for i, t in enumerate(temps):
+                want = greedy if t == 0 else sampled
+                self.assertEqual(mixed[2][i], want[2][i], (seed, i))
 
-    def test_all_zero_temperatures_equal_greedy(self):
-        drafts, _, target_logits = self._inputs()
-        _assert_same(
-            self,
-            self._verify(torch.zeros(self.BS)),
-            greedy_verify(draft_tokens=drafts, target_logits=target_logits),
+    def test_rules_write_where_they_are_told(self):
+        # A rule fills only the outputs it is given: the mixed batch's greedy
+        # pass leaves the sampled result alone until the merge.
+        drafts, q, logits = self._inputs()
+        views = _views(self.BS, self.GAMMA, self.VOCAB)
+        views.drafts.copy_(drafts)
+        flat = logits.reshape(-1, self.VOCAB)
+        views.accept_row.fill_(-1)
+        greedy_accept(
+            views=views,
+            target_logits=flat,
+            accept_lens=views.greedy_accept_lens,
+            bonus=views.greedy_bonus,
         )
-
-    def test_sampled_rows_are_rejection_verify_on_softmax(self):
-        drafts, draft_logits, target_logits = self._inputs()
-        t = torch.full((self.BS,), 0.8)
-        direct = rejection_verify(
-            draft_tokens=drafts,
-            draft_probs=torch.softmax(draft_logits / 0.8, dim=-1),
-            target_probs=torch.softmax(target_logits / 0.8, dim=-1),
-            generator=torch.Generator().manual_seed(4),
+        self.assertEqual(views.accept_lens.tolist(), [-1] * self.BS)
+        self.assertEqual(views.greedy_accept_lens.view(-1).tolist(), [0, 1, 2, 3, 0, 1])
+        views.q_drafts.copy_(q.transpose(0, 1))
+        draw_log_exp1_(views.log_e, torch.Generator().manual_seed(0))
+        views.u.uniform_()
+        rejection_accept(
+            views=views,
+            target_logits=flat,
+            accept_lens=views.accept_row,
+            bonus=views.bonus,
         )
-        _assert_same(self, self._verify(t, seed=4), direct)
-
-    def test_temperatures_without_draft_logits_raise(self):
-        drafts, _, target_logits = self._inputs()
-        with self.assertRaisesRegex(ValueError, "draft logits"):
-            verify(
-                draft_tokens=drafts,
-                draft_logits=None,
-                target_logits=target_logits,
-                temperatures=torch.zeros(self.BS),
-            )
-
-    def test_same_seed_same_result(self):
-        t = torch.tensor([1.0, 0.0, 1.0, 2.0, 0.5, 1.0])
-        _assert_same(self, self._verify(t, seed=11), self._verify(t, seed=11))
+        self.assertTrue(bool((views.accept_lens >= 0).all()))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ it computes its experts' share and one all-reduce over the EP group sums
 the shares. Two ways to compute the share, the same function:
 
 - dense (``T * E_local <= dense_max_row_experts``, always on CUDA, so also
-  under CUDA-graph capture): every local expert on every row in two matmuls
+  under CUDA-graph capture, and under ``torch.compile``): every local expert on every row in two matmuls
   over all local experts at once, each expert's share scaled by the row's
   routing weight for it (0 where not routed). A constant op count and no
   host read: on these tiny shapes a step costs what it dispatches more than
@@ -35,12 +35,9 @@ from sglang.srt.layers.moe.topk import TopKOutput, select_experts
 from sglang.srt.runtime_context import get_parallel
 
 # Dense up to this many rows * local experts (20 rows over 8 experts, 40
-# over 4). Measured on one CPU thread, hidden 64, intermediate 96, top 2,
-# one MoE layer alone: dense 91 / grouped 94 us at 16 rows over 8 experts,
-# 117 / 107 at 24, 191 / 126 at 48 (a bs-8 verify); over 4 experts, 96 /
-# 100 at 40 rows (a bs-8 draft), 110 / 110 at 48. Inside whole bs-8 T=1
-# DSpark steps the grouped verify took 1.50-1.59 plain steps against
-# 1.76-1.79 dense (two runs each, interleaved).
+# over 4): past it the dense path's E_local / top_k times more multiply-adds
+# cost more than the grouped path's extra ops on one CPU thread (the
+# crossover is measured in docs/benchmarks.md).
 DENSE_MAX_ROW_EXPERTS = 160
 
 
@@ -126,8 +123,13 @@ class EPMoE(nn.Module):
         )
         masked = num_token_non_padded is not None
         self._derived_weights()
-        # CUDA: always dense (static shapes for capture, no host read).
-        if x.is_cuda or x.shape[0] * self.num_local <= self.dense_max_row_experts:
+        # CUDA and torch.compile: always dense (static shapes for capture, no
+        # host read; the grouped matmul has no CPU compile support).
+        if (
+            x.is_cuda
+            or torch.compiler.is_compiling()
+            or x.shape[0] * self.num_local <= self.dense_max_row_experts
+        ):
             out = self._forward_dense(x, topk, masked=masked)
         else:
             out = self._forward_grouped(x, topk, masked=masked)

@@ -1,38 +1,64 @@
-"""DSparkWorker: prefill, and the decode step in DSpark order.
+"""DSparkWorker: prefill, and the decode step as one pipeline.
 
-window -> propose -> verify -> accept -> commit (target hidden -> draft KV)
--> next input (bonus, new seq len). Rejected drafts need no rollback: their
-slots lie past the new sequence length and are overwritten next step.
+A decode step is five phases, in order, each one call:
+
+1. draft: bind the batch to the step buffers (once per batch), pad it to
+   its bucket, draw the step's noise; then fill the verify window, build
+   the step's attention metadata (once, for all three forwards), and
+   propose the block (``DraftBlockProposer``: its inputs, the draft
+   forward, the Markov head's left-to-right sampling);
+2. verify: the target forward over ``[bonus, d_1..d_gamma]``;
+3. accept: greedy or rejection sampling, chosen once per batch
+   (``dspark_verify.accept``): accept lengths, and the bonus straight into
+   the batch's ``last_ids``;
+4. commit: sequence lengths advance by accepted + 1, and the target's
+   hidden states of the window become the draft's context KV (rejected
+   drafts need no rollback: their slots lie past the new length and are
+   overwritten next step);
+5. output: the step's one host read of the tokens.
+
+Phases 1 (after its preparation) to 4 are the device step: no host read,
+only the step buffers, so on CUDA it is one graph replay per bucket
+(``GraphRunner``) and on the CPU it compiles whole (a test proves it).
+Every phase, and the model's own computations inside them (``attention
+metadata``, ``draft forward``, ``verify forward``, ``context write``), runs
+in a named span of ``self.spans``: benches and profilers observe the step
+through it.
 """
 
-from dataclasses import replace
-from typing import Dict, List, Tuple
+from typing import List, Optional
 
 import torch
 
+from sglang.srt.layers.sampler import SamplingMode, draw_log_exp1_
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, StepOutput
 from sglang.srt.managers.tp_worker import TpModelWorker
-from sglang.srt.model_executor.forward_batch_info import (
-    CaptureHiddenMode,
-    ForwardBatch,
-    ForwardMode,
-)
+from sglang.srt.model_executor.forward_batch_info import target_num_token_non_padded
+from sglang.srt.model_executor.graph_runner import GraphRunner
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.dspark import DSparkDraftModel
+from sglang.srt.speculative.dspark_components.dspark_buffers import (
+    DSparkStepBuffers,
+    DSparkStepViews,
+)
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
-from sglang.srt.speculative.dspark_components.dspark_planner import (
-    VerifyWindow,
-    VerifyWindowPlanner,
-)
-from sglang.srt.speculative.dspark_components.dspark_verify import (
-    VerifyBuffers,
-    rejection_verify_into,
-    verify,
-)
+from sglang.srt.speculative.dspark_components.dspark_planner import VerifyWindowPlanner
+from sglang.srt.speculative.dspark_components.dspark_verify import accept
+from sglang.srt.utils.phases import PhaseSpans
 
 
 class DSparkWorker:
+    # The spans of a decode step, in order, and the model's own computations
+    # inside them (what observers add up as model compute).
+    PHASES = ("draft", "verify", "accept", "commit", "output")
+    MODEL_SPANS = (
+        "attention metadata",
+        "draft forward",
+        "verify forward",
+        "context write",
+    )
+
     def __init__(
         self,
         *,
@@ -41,168 +67,181 @@ class DSparkWorker:
         draft_runner: ModelRunner,
         config: DSparkConfig,
         max_batch_size: int,
-        use_graphs: bool = True,
+        bucket_sizes: Optional[List[int]] = None,
+        use_cuda_graph: bool = False,
     ) -> None:
         self.target_worker = target_worker
+        self.target_runner = target_worker.model_runner
         self.draft_model, self.draft_runner = draft_model, draft_runner
         self.config, self.gamma = config, config.gamma
         # KV positions a step may write past the last committed token.
         self.lookahead = config.gamma
         self.device = target_worker.device
         self.generator = target_worker.generator
-        self.req_to_token = target_worker.req_to_token
+        self.max_batch_size = max_batch_size
+        self.spans = PhaseSpans()
         target_worker.model.set_layers_to_capture(config.target_layer_ids)
-        if use_graphs:
-            target_worker.model_runner.add_graph_runner(
-                forward_mode=ForwardMode.TARGET_VERIFY,
-                tokens_per_req=self.gamma + 1,
-                capture_hidden_mode=CaptureHiddenMode.FULL,
-            )
-            draft_runner.add_graph_runner(
-                forward_mode=ForwardMode.TARGET_VERIFY, tokens_per_req=self.gamma
-            )
+        self.buffers = DSparkStepBuffers(
+            max_batch_size=max_batch_size,
+            gamma=config.gamma,
+            vocab_size=config.vocab_size,
+            markov_rank=draft_model.markov_w1.weight.shape[1],
+            mask_token_id=config.mask_token_id,
+            target_runner=self.target_runner,
+            draft_runner=draft_runner,
+        )
+        self.window_planner = VerifyWindowPlanner(
+            req_to_token=self.target_runner.req_to_token_pool.req_to_token,
+            gamma=config.gamma,
+            device=self.device,
+        )
         self.proposer = DraftBlockProposer(
             draft_model=draft_model,
             draft_runner=draft_runner,
             config=config,
-            max_batch_size=max_batch_size,
             device=self.device,
+            spans=self.spans,
         )
-        self.planner = VerifyWindowPlanner(
-            req_to_token=self.req_to_token,
-            gamma=self.gamma,
-            max_batch_size=max_batch_size,
-            device=self.device,
+        # On a GPU the output phase reads one packed buffer into pinned host
+        # memory; on the CPU it reads the buffers in place.
+        self._host = None
+        if torch.device(self.device).type == "cuda":
+            self._host = torch.zeros(self.buffers.packed.shape).long().pin_memory()
+        self._rows: Optional[int] = None  # the size the last step ran at
+        self.graph_runner = GraphRunner(
+            step=self._device_step,
+            bucket_sizes=bucket_sizes,
+            use_cuda_graph=use_cuda_graph,
+            reset=self.buffers.state.reset,
         )
-        # Per-step buffers, allocated once at the largest batch.
-        shape, dev = (max_batch_size, self.gamma + 1), self.device
-        self._kv_lens = torch.zeros(shape, dtype=torch.int64, device=dev)
-        self._verify_ids = torch.zeros(shape, dtype=torch.int64, device=dev)
-        self._num_token_non_padded = torch.zeros((), dtype=torch.int32, device=dev)
-        self.verify_buffers = VerifyBuffers(
-            max_batch_size=max_batch_size,
-            gamma=self.gamma,
-            device=dev,
-            vocab_size=draft_model.lm_head.weight.shape[0],
-        )
-        # On a GPU, one host read per step and no allocation: accept lengths
-        # and output ids are packed into one device buffer and copied into
-        # pinned host memory. On the CPU the results are read in place.
-        self._host_result = None
-        if torch.device(dev).type == "cuda":
-            self._step_result = torch.zeros(
-                (max_batch_size, self.gamma + 2), dtype=torch.int64, device=dev
-            )
-            self._host_result = torch.zeros(
-                self._step_result.shape, dtype=torch.int64
-            ).pin_memory()
-        # Per batch size: (bonus column, draft columns, flat ids, kv_lens,
-        # flat kv_lens) of the buffers above, made once.
-        self._views: Dict[int, Tuple[torch.Tensor, ...]] = {}
-
-    def _cut(self, bs: int) -> Tuple[torch.Tensor, ...]:
-        views = self._views.get(bs)
-        if views is None:
-            ids, kv_lens = self._verify_ids[:bs], self._kv_lens[:bs]
-            views = (ids[:, 0], ids[:, 1:], ids.view(-1), kv_lens, kv_lens.view(-1))
-            self._views[bs] = views
-        return views
-
-    def _read_back(self, result, bs: int) -> Tuple[List[int], List[List[int]]]:
-        """(accept lengths, output ids) of a step as host lists."""
-        if self._host_result is None:
-            return result.accept_lens.tolist(), result.output_ids.tolist()
-        packed, host = self._step_result[:bs], self._host_result[:bs]
-        packed[:, 0].copy_(result.accept_lens)
-        packed[:, 1:].copy_(result.output_ids)
-        host.copy_(packed, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        rows = host.tolist()
-        return [r[0] for r in rows], [r[1:] for r in rows]
-
-    def _commit_to_draft(self, aux_hidden_states, forward_batch: ForwardBatch) -> None:
-        # Target hidden states of these rows become the draft's context KV.
-        self.draft_model.write_context(
-            aux_hidden_states=aux_hidden_states,
-            forward_batch=replace(
-                forward_batch, token_to_kv_pool=self.draft_runner.token_to_kv_pool
-            ),
-        )
+        for rows in self.graph_runner.buckets if use_cuda_graph else ():
+            self.buffers.at(rows)  # views before capture, outside it
+        self.graph_runner.capture(list(SamplingMode))
 
     def prefill(self, *, req: Req) -> int:
         first, out, forward_batch = self.target_worker.forward_prefill(
             req=req, capture_hidden=True
         )
-        self._commit_to_draft(out.aux_hidden_states, forward_batch)
+        # The prompt's target hidden states become the draft's context KV.
+        self.draft_model.write_context(
+            aux_hidden_states=out.aux_hidden_states,
+            positions=forward_batch.positions,
+            out_cache_loc=forward_batch.out_cache_loc,
+            kv_pool=self.draft_runner.token_to_kv_pool,
+        )
         return first
 
-    def window(self, batch: ScheduleBatch) -> VerifyWindow:
-        return self.planner.plan(
-            seq_lens=batch.seq_lens, req_pool_indices=batch.req_pool_indices
-        )
-
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
-        bs, gamma = batch.batch_size, self.gamma
-        window = self.window(batch)
-        # The verify batch [bs, gamma + 1]: bonus, d_1..d_gamma, filled below
-        # (its ids are views of the buffers); built first for its metadata.
-        bonus_col, draft_cols, input_ids, kv_lens, flat_kv_lens = self._cut(bs)
-        torch.add(window.positions, 1, out=kv_lens)  # causal
-        forward_batch = ForwardBatch.init_new(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=bs,
-            tokens_per_req=gamma + 1,
-            input_ids=input_ids,
-            positions=window.positions.view(-1),
-            out_cache_loc=window.out_cache_loc.view(-1),
-            req_pool_indices=batch.req_pool_indices,
-            kv_lens=flat_kv_lens,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            num_token_non_padded_buffer=self._num_token_non_padded,
-        )
-        runner = self.target_worker.model_runner
-        if runner.runs_as_given(forward_batch):
-            # Eager and unpadded: the verify's metadata, built once, also
-            # serves the draft block (its slots and mask, up to the block's
-            # bound, one key less) and the context write (the same rows'
-            # rotary tables).
-            forward_batch.req_to_token_pool = runner.req_to_token_pool
-            forward_batch.attn_metadata = (
-                self.target_worker.model.init_forward_metadata(forward_batch)
+        bs, mode = batch.batch_size, batch.sampling_mode
+        if bs > self.max_batch_size:
+            raise ValueError(
+                f"batch of {bs} exceeds max_batch_size={self.max_batch_size}"
             )
-        proposal = self.proposer.propose(
-            batch=batch,
-            window=window,
-            generator=self.generator,
-            verify_metadata=forward_batch.attn_metadata,
+        with self.spans("draft"):
+            rows = self._prepare(batch, mode)
+        # The verify's longest kv_len: the longest sequence + gamma.
+        max_kv_len = max(batch.seq_lens_cpu) + self.gamma
+        self.graph_runner.run(rows=rows, variant=mode, max_kv_len=max_kv_len)
+        with self.spans("output"):
+            return self._output(batch)
+
+    def _prepare(self, batch: ScheduleBatch, mode: SamplingMode) -> int:
+        """Host-side work before the device step: bind and pad the batch,
+        set the scalars' counts, draw the noise. Returns the rows to run."""
+        bs, buffers = batch.batch_size, self.buffers
+        buffers.state.bind(batch, buffers.at(bs).state)
+        rows = self.graph_runner.padded_size(bs)
+        if rows > bs:
+            buffers.state.pad(bs)
+        if rows != self._rows:
+            buffers.set_constants(rows)
+            self._rows = rows
+        v = buffers.at(rows)
+        num_tokens = bs * (self.gamma + 1)  # the verify's real rows
+        v.verify_batch.num_token_non_padded = target_num_token_non_padded(
+            num_tokens, buffers.verify_scalar, self.device
         )
-        bonus_col.copy_(batch.last_ids)
-        draft_cols.copy_(proposal.draft_tokens)
-        out = runner.forward(forward_batch)
-        info = batch.sampling_info
-        args = dict(
-            draft_tokens=proposal.draft_tokens,
-            draft_probs=proposal.draft_probs,
-            target_logits=out.logits.view(bs, gamma + 1, -1),
-            buffers=self.verify_buffers,
-            generator=self.generator,
+        v.verify_batch.num_token_non_padded_cpu = num_tokens
+        self.proposer.prepare(views=v, batch=batch, scalar=buffers.draft_scalar)
+        if mode is not SamplingMode.GREEDY:
+            draw_log_exp1_(v.log_e, self.generator)
+            v.u.uniform_(generator=self.generator)
+        return rows
+
+    def _device_step(
+        self, rows: int, mode: SamplingMode, max_kv_len: Optional[int]
+    ) -> None:
+        """Draft -> verify -> accept -> commit over the first ``rows`` rows of
+        the step buffers: device work only (graph-safe, compilable)."""
+        v = self.buffers.at(rows)
+        v.verify_batch.max_kv_len = max_kv_len
+        with self.spans("draft"):
+            self._fill_inputs(v)
+            self.proposer.propose(views=v, mode=mode)
+        with self.spans("verify"), self.spans("verify forward"):
+            out = self.target_runner.forward(v.verify_batch)
+        with self.spans("accept"):
+            accept(views=v, target_logits=out.logits, mode=mode)
+        with self.spans("commit"):
+            self._commit(v, out.aux_hidden_states)
+
+    def _fill_inputs(self, v: DSparkStepViews) -> None:
+        """The window, the verify batch's first column and kv_lens (the
+        drafts land in its other columns), and the step's attention metadata."""
+        state = v.state
+        self.window_planner.plan(
+            seq_lens=v.seq_len_col,
+            req_pool_indices=v.req_pool_col,
+            window=v.window,
+            table_index=v.table_index,
+            flat_table_index=v.flat_table_index,
+            flat_slots=v.verify_batch.out_cache_loc,
         )
-        if info is not None and info.all_sampled:  # no allocation, as greedy
-            result = rejection_verify_into(
-                inv_temperatures=info.inv_temperatures, **args
+        v.verify_anchors.copy_(state.last_ids)
+        torch.add(v.window.positions, 1, out=v.verify_kv_lens)  # causal
+        with self.spans("attention metadata"):
+            # Built once, read by the draft block (its slots and mask, up to
+            # the block's bound), the verify and the context write.
+            v.verify_batch.attn_metadata = (
+                self.target_worker.model.init_forward_metadata(v.verify_batch)
             )
-        else:  # all greedy (into the buffers), or mixed
-            result = verify(
-                draft_logits=proposal.draft_logits,
-                temperatures=batch.temperatures,
-                **args,
+
+    def _commit(self, v: DSparkStepViews, aux_hidden_states: torch.Tensor) -> None:
+        state = v.state
+        state.seq_lens.add_(v.accept_lens).add_(1)  # committed = accepted + 1
+        with self.spans("context write"):
+            # Every window row: rows past the accepted ones are overwritten
+            # next step.
+            self.draft_model.write_context(
+                aux_hidden_states=aux_hidden_states,
+                positions=v.verify_batch.positions,
+                out_cache_loc=v.verify_batch.out_cache_loc,
+                kv_pool=self.draft_runner.token_to_kv_pool,
+                metadata=v.verify_batch.attn_metadata,
             )
-        # Commit every row: rows past the accepted ones are overwritten next step.
-        self._commit_to_draft(out.aux_hidden_states, forward_batch)
-        batch.seq_lens.add_(result.accept_lens).add_(1)  # committed = accepted + 1
-        batch.last_ids.copy_(result.bonus_ids)
-        accept_lens, output_ids = self._read_back(result, bs)
+        if self._host is not None:  # one buffer for the output phase's read
+            v.packed[:, 0].copy_(v.accept_lens)
+            v.packed[:, 1:-1].copy_(v.drafts)
+            v.packed[:, -1].copy_(state.last_ids)
+
+    def _output(self, batch: ScheduleBatch) -> StepOutput:
+        """The step's one host read; the host's sequence lengths advance."""
+        bs = batch.batch_size
+        v = self.buffers.at(bs)
+        if self._host is None:
+            accept_lens, drafts = v.accept_lens.tolist(), v.drafts.tolist()
+            bonus = v.state.last_ids.tolist()
+        else:
+            host = self._host[:bs]
+            host.copy_(v.packed, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            rows = host.tolist()
+            accept_lens = [r[0] for r in rows]
+            drafts, bonus = [r[1:-1] for r in rows], [r[-1] for r in rows]
+        seq_lens = batch.seq_lens_cpu
+        for i, a in enumerate(accept_lens):
+            seq_lens[i] += a + 1
         return StepOutput(
-            output_ids=[ids[: a + 1] for ids, a in zip(output_ids, accept_lens)],
+            output_ids=[d[:a] + [b] for d, a, b in zip(drafts, accept_lens, bonus)],
             accepted_drafts=accept_lens,
         )

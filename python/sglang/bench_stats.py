@@ -1,0 +1,91 @@
+"""Paired ratios and their 95% intervals: the one statistics module of the
+benches.
+
+Every bench compares variants measured in lockstep (interleaved blocks on
+the same machine at the same time), so each statistic takes pairs, one
+measurement of each variant per pair, and states which ratio it estimates:
+
+- ``mean_ratio``: sum(b) / sum(a), the ratio of mean costs that throughput
+  follows, with a delta-method t-interval;
+- ``geometric_mean_ratio``: the geometric mean of the pairs' b / a, with a
+  t-interval on the log ratios;
+- ``median_ratio``: the median of the pairs' b / a, with a distribution-free
+  interval (order statistics of the sign test), for heavy-tailed noise.
+"""
+
+import math
+import statistics
+from typing import Dict, Optional, Sequence, Tuple
+
+Interval = Tuple[float, Optional[float], Optional[float]]  # estimate, lo, hi
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t 97.5% quantile (Cornish-Fisher series; within 1% from df=2)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    z = 1.959963984540054
+    g = (
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    )
+    return z + sum(gi / df ** (i + 1) for i, gi in enumerate(g))
+
+
+def _check(pairs: Sequence[Tuple[float, float]]) -> None:
+    if not pairs:
+        raise ValueError("no pairs")
+    if any(not (a > 0 and b > 0) for a, b in pairs):
+        raise ValueError("every measurement must be > 0")
+
+
+def geometric_mean_ratio(pairs: Sequence[Tuple[float, float]]) -> Interval:
+    """(b / a) over (a, b) pairs: the geometric mean of the ratios and its 95%
+    t-interval; no interval from fewer than 3 pairs."""
+    _check(pairs)
+    logs = [math.log(b / a) for a, b in pairs]
+    mean = statistics.fmean(logs)
+    if len(logs) < 3:
+        return math.exp(mean), None, None
+    half = t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def mean_ratio(pairs: Sequence[Tuple[float, float]]) -> Interval:
+    """sum(b) / sum(a) over (a, b) pairs and its 95% interval (the ratio
+    estimator's delta method: residuals b - R a); no interval from fewer
+    than 3 pairs."""
+    _check(pairs)
+    n = len(pairs)
+    mean_a = statistics.fmean(a for a, _ in pairs)
+    ratio = statistics.fmean(b for _, b in pairs) / mean_a
+    if n < 3:
+        return ratio, None, None
+    residuals = [b - ratio * a for a, b in pairs]
+    se = math.sqrt(sum(r * r for r in residuals) / (n - 1) / n) / mean_a
+    half = t_quantile_975(n - 1) * se
+    return ratio, ratio - half, ratio + half
+
+
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> Dict:
+    """Median of the per-pair ratios num / den and its distribution-free 95%
+    interval: a pair of order statistics (the sign-test interval), which
+    holds for any noise distribution; it needs at least 6 pairs.
+    ``resolvable``: the interval excludes 1."""
+    _check(list(zip(den, num)))
+    ratios = [a / b for a, b in zip(num, den)]
+    ordered, n = sorted(ratios), len(ratios)
+    out = {"ratios": ratios, "median": statistics.median(ratios)}
+    # Largest k with P(Binomial(n, 1/2) < k) <= 2.5%: [x_(k), x_(n + 1 - k)].
+    k, tail = 0, 0.0
+    while k < n and tail + math.comb(n, k) / 2**n <= 0.025:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return dict(out, ci95=None, coverage=None, resolvable=False)
+    lo, hi = ordered[k - 1], ordered[n - k]
+    return dict(
+        out, ci95=[lo, hi], coverage=1 - 2 * tail, resolvable=not lo <= 1.0 <= hi
+    )

@@ -1,0 +1,294 @@
+"""The DSpark step's buffer arena: every per-step tensor, allocated once.
+
+``DSparkStepBuffers(...).at(bs)`` gives ``DSparkStepViews``: the batch
+state, the verify window, the draft block and verify batches (prebuilt
+``ForwardBatch``es over these very views), the Markov head's and the
+sampler's scratch, and acceptance's. Shapes, for a batch of B requests,
+block gamma (g) and vocabulary V:
+
+    window     positions, slots                 [B, g + 1]
+    verify     ids [bonus, d_1..d_g], kv_lens   [B, g + 1]
+    block      ids [anchor, mask..], positions,
+               slots, kv_lens                   [B, g]
+    markov     corrections, noisy logits,
+               corrected and scaled logits      [g, B, V]
+    q          softmax(corrected / T)           [g + 1, B, V] (row g: 0)
+    noise      log E                            [g + 1, B, V] (row g: bonus)
+               u                                [g, B]
+    accept     target argmax                    [g + 1, B]
+               matches, then a row of 0         [g + 1, B] uint8
+               target / T, p = its softmax      [g + 1, B, V]
+               the bonus row and its scratch    [1, B, V]
+
+Per-slot tensors are slot-major ([slot, request, vocab]) and contiguous at
+every batch size (``at(bs)`` views the first elements of one flat buffer
+as [slot, bs, vocab]): a slot's rows are contiguous, and so are q's first
+g slots, which a softmax writes in place. Sizes share that memory, so the
+two constant rows (q's and ``matched``'s last) are refilled by
+``set_constants(bs)`` whenever a step runs at another size.
+The drafts are written straight into the verify ids (``drafts`` is a view),
+the bonus straight into the batch state's ``last_ids``: nothing is copied
+between phases.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from sglang.srt.managers.schedule_batch import BatchState, BatchStateBuffers
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.step_buffers import StepBuffers
+from sglang.srt.speculative.dspark_components.dspark_planner import VerifyWindow
+
+
+@dataclass(frozen=True)
+class DSparkStepViews:
+    state: BatchState
+    # The verify window: positions seq_len - 1 .. seq_len - 1 + g, their slots.
+    window: VerifyWindow  # [B, g + 1] each
+    table_index: torch.Tensor  # [B, g + 1]: flat index into req->slot table
+    flat_table_index: torch.Tensor  # [B * (g + 1)]
+    seq_len_col: torch.Tensor  # [B, 1]: the state's seq_lens
+    req_pool_col: torch.Tensor  # [B, 1]: the state's req_pool_indices
+    verify_ids: torch.Tensor  # [B, g + 1]: bonus, then the drafts
+    drafts: torch.Tensor  # [B, g]: verify_ids[:, 1:]
+    draft_cols: Tuple[torch.Tensor, ...]  # g x [B]: its columns
+    verify_kv_lens: torch.Tensor  # [B, g + 1]
+    verify_batch: ForwardBatch  # TARGET_VERIFY over the above
+    verify_anchors: torch.Tensor  # [B]: verify_ids[:, 0]
+    draft_index: torch.Tensor  # [g, B, 1]: the drafts, slot-major (gather index)
+    drafts_by_slot: torch.Tensor  # [g, B]
+    block_ids: torch.Tensor  # [B, g]: anchor, then mask_token_id
+    block_anchors: torch.Tensor  # [B]: block_ids[:, 0]
+    window_block_positions: torch.Tensor  # [B, g]: window positions[:, :g]
+    window_block_slots: torch.Tensor  # [B, g]
+    window_last_block_position: torch.Tensor  # [B, 1]: positions[:, g - 1]
+    block_positions: torch.Tensor  # [B, g]
+    block_slots: torch.Tensor  # [B, g]
+    block_kv_lens: torch.Tensor  # [B, g]: non-causal, the block's last + 1
+    draft_batch: ForwardBatch  # DRAFT_EXTEND_V2 over the block
+    corrections: torch.Tensor  # [g, B, V]: W2(W1[x_(k-1)]) per slot
+    correction_slots: Tuple[torch.Tensor, ...]  # g x [B, V]
+    markov_hidden: torch.Tensor  # [B, rank]: W1[x], the low-rank path
+    noisy: torch.Tensor  # [g, B, V]: base logits - T log E
+    noisy_slots: Tuple[torch.Tensor, ...]  # g x [B, V]
+    scratch: torch.Tensor  # [B, V]
+    corrected: torch.Tensor  # [g, B, V]: base + corrections, the draft's logits
+    scaled: torch.Tensor  # [g, B, V]: corrected / T
+    q: torch.Tensor  # [g + 1, B, V]: q per slot, then a row of zeros
+    q_drafts: torch.Tensor  # [g, B, V]: q[:g]
+    log_e: torch.Tensor  # [g + 1, B, V]: noise of the block, then the bonus's
+    block_noise: torch.Tensor  # [g, B, V]
+    bonus_noise: torch.Tensor  # [1, B, V]
+    u: torch.Tensor  # [g, B]: acceptance draws
+    target_ids: torch.Tensor  # [g + 1, B]: the target's argmax per row
+    target_drafts: torch.Tensor  # [g, B]: the rows that judge d_1..d_g
+    matched: torch.Tensor  # [g + 1, B] uint8: draft j accepted, then 0
+    matched_drafts: torch.Tensor  # [g, B]
+    accept_lens: torch.Tensor  # [B] int64: drafts accepted, 0..g
+    accept_row: torch.Tensor  # [1, B]: accept_lens (a gather index)
+    accept_rows: torch.Tensor  # [1, B, V]: accept_lens, expanded (gather index)
+    target_scaled: torch.Tensor  # [g + 1, B, V]: target logits / T
+    p: torch.Tensor  # [g + 1, B, V]: softmax(target / T)
+    p_drafts: torch.Tensor  # [g, B, V]
+    q_tok: torch.Tensor  # [g, B, 1]: q of each draft
+    p_tok: torch.Tensor  # [g, B, 1]: p of each draft
+    q_tok_flat: torch.Tensor  # [g, B]
+    p_tok_flat: torch.Tensor  # [g, B]
+    p_row: torch.Tensor  # [1, B, V]: p at the first rejection (or the last)
+    q_row: torch.Tensor  # [1, B, V]
+    bonus_row: torch.Tensor  # [1, B, V]: max(p - q, 0), or p without mass
+    mass: torch.Tensor  # [1, B, 1]
+    has_mass: torch.Tensor  # [1, B, 1] bool
+    bonus: torch.Tensor  # [1, B]: the state's last_ids (the bonus lands there)
+    is_sampled: torch.Tensor  # [1, B]: the state's
+    greedy_accept_lens: torch.Tensor  # [1, B]: a mixed batch's greedy rows'
+    greedy_bonus: torch.Tensor  # [1, B]
+    packed: torch.Tensor  # [B, g + 2]: accept length, drafts, bonus (CUDA)
+
+
+def cut(flat: torch.Tensor, *shape: int) -> torch.Tensor:
+    """The first elements of ``flat``, viewed as ``shape`` (contiguous)."""
+    return flat[: math.prod(shape)].view(shape)
+
+
+class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        gamma: int,
+        vocab_size: int,
+        markov_rank: int,
+        mask_token_id: int,
+        target_runner: ModelRunner,
+        draft_runner: ModelRunner,
+    ) -> None:
+        super().__init__(max_batch_size=max_batch_size)
+        self.gamma, self.vocab_size = gamma, vocab_size
+        self.target_runner, self.draft_runner = target_runner, draft_runner
+        n, g, V, dev = max_batch_size, gamma, vocab_size, target_runner.device
+
+        def ints(*shape):
+            return torch.zeros(shape, dtype=torch.int64, device=dev)
+
+        def floats(*shape):
+            return torch.zeros(shape, device=dev)
+
+        self.state = BatchStateBuffers(max_batch_size=n, device=dev)
+        self.positions, self.table_index = ints(n, g + 1), ints(n, g + 1)
+        self.slots = ints(n, g + 1)
+        self.verify_ids, self.verify_kv_lens = ints(n, g + 1), ints(n, g + 1)
+        self.block_ids = torch.full(
+            (n, g), mask_token_id, dtype=torch.int64, device=dev
+        )
+        self.block_positions, self.block_slots = ints(n, g), ints(n, g)
+        self.block_kv_lens = ints(n, g)
+        # Slot-major, flat: cut per size into contiguous [slots, bs, ...] views.
+        self.corrections, self.noisy = floats(g * n * V), floats(g * n * V)
+        self.corrected, self.scaled = floats(g * n * V), floats(g * n * V)
+        self.markov_hidden, self.scratch = floats(n, markov_rank), floats(n, V)
+        self.q = floats((g + 1) * n * V)  # row g is 0: no draft past the block
+        self.log_e, self.u = floats((g + 1) * n * V), floats(g * n)
+        self.target_ids = ints((g + 1) * n)
+        # Row g is 0: the first 0 of a column is its accept length.
+        self.matched = torch.zeros((g + 1) * n, dtype=torch.uint8, device=dev)
+        self.accept_lens = ints(n)
+        self.target_scaled, self.p = floats((g + 1) * n * V), floats((g + 1) * n * V)
+        self.q_tok, self.p_tok = floats(g * n), floats(g * n)
+        self.p_row, self.q_row = floats(n * V), floats(n * V)
+        self.bonus_row, self.mass = floats(n * V), floats(n)
+        self.has_mass = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.greedy_accept_lens, self.greedy_bonus = ints(n), ints(n)
+        self.packed = ints(n, g + 2)
+        # Filled per step only when EP > 1 reads them; never re-allocated.
+        self.verify_scalar = torch.zeros((), dtype=torch.int32, device=dev)
+        self.draft_scalar = torch.zeros((), dtype=torch.int32, device=dev)
+
+    def set_constants(self, bs: int) -> None:
+        """q's and ``matched``'s last rows back to 0 at this size (another
+        size's step may have written there)."""
+        v = self.at(bs)
+        v.q[-1].zero_()
+        v.matched[-1].zero_()
+
+    def _cut(self, bs: int) -> DSparkStepViews:
+        g, V = self.gamma, self.vocab_size
+        state = self.state.cut(bs)
+        positions, slots = self.positions[:bs], self.slots[:bs]
+        verify_ids, verify_kv_lens = self.verify_ids[:bs], self.verify_kv_lens[:bs]
+        block_ids, block_positions = self.block_ids[:bs], self.block_positions[:bs]
+        block_slots, block_kv_lens = self.block_slots[:bs], self.block_kv_lens[:bs]
+        drafts, accept_lens = verify_ids[:, 1:], self.accept_lens[:bs]
+
+        def batch(mode, q_len, ids, pos, locs, kv_lens, runner, capture):
+            return ForwardBatch(
+                forward_mode=mode,
+                batch_size=bs,
+                tokens_per_req=q_len,
+                input_ids=ids.view(-1),
+                positions=pos.view(-1),
+                out_cache_loc=locs.view(-1),
+                req_pool_indices=state.req_pool_indices,
+                kv_lens=kv_lens.view(-1),
+                num_token_non_padded_cpu=bs * q_len,
+                capture_hidden_mode=capture,
+                req_to_token_pool=runner.req_to_token_pool,
+                token_to_kv_pool=runner.token_to_kv_pool,
+            )
+
+        verify_batch = batch(
+            ForwardMode.TARGET_VERIFY,
+            g + 1,
+            verify_ids,
+            positions,
+            slots,
+            verify_kv_lens,
+            self.target_runner,
+            CaptureHiddenMode.FULL,
+        )
+        draft_batch = batch(
+            ForwardMode.DRAFT_EXTEND_V2,
+            g,
+            block_ids,
+            block_positions,
+            block_slots,
+            block_kv_lens,
+            self.draft_runner,
+            CaptureHiddenMode.NULL,
+        )
+        corrections, noisy = cut(self.corrections, g, bs, V), cut(self.noisy, g, bs, V)
+        q, log_e = cut(self.q, g + 1, bs, V), cut(self.log_e, g + 1, bs, V)
+        target_ids, matched = cut(self.target_ids, g + 1, bs), cut(self.matched, g + 1, bs)
+        p = cut(self.p, g + 1, bs, V)
+        drafts_by_slot = drafts.t()
+        return DSparkStepViews(
+            state=state,
+            window=VerifyWindow(positions=positions, out_cache_loc=slots),
+            table_index=self.table_index[:bs],
+            flat_table_index=self.table_index[:bs].view(-1),
+            seq_len_col=state.seq_lens.unsqueeze(1),
+            req_pool_col=state.req_pool_indices.unsqueeze(1),
+            verify_ids=verify_ids,
+            drafts=drafts,
+            draft_cols=tuple(drafts[:, k] for k in range(g)),
+            verify_kv_lens=verify_kv_lens,
+            verify_batch=verify_batch,
+            verify_anchors=verify_ids[:, 0],
+            draft_index=drafts_by_slot.unsqueeze(-1),
+            drafts_by_slot=drafts_by_slot,
+            block_ids=block_ids,
+            block_anchors=block_ids[:, 0],
+            window_block_positions=positions[:, :g],
+            window_block_slots=slots[:, :g],
+            window_last_block_position=positions[:, g - 1 : g],
+            block_positions=block_positions,
+            block_slots=block_slots,
+            block_kv_lens=block_kv_lens,
+            draft_batch=draft_batch,
+            corrections=corrections,
+            correction_slots=corrections.unbind(0),
+            markov_hidden=self.markov_hidden[:bs],
+            noisy=noisy,
+            noisy_slots=noisy.unbind(0),
+            scratch=self.scratch[:bs],
+            corrected=cut(self.corrected, g, bs, V),
+            scaled=cut(self.scaled, g, bs, V),
+            q=q,
+            q_drafts=q[:g],
+            log_e=log_e,
+            block_noise=log_e[:g],
+            bonus_noise=log_e[g:],
+            u=cut(self.u, g, bs),
+            target_ids=target_ids,
+            target_drafts=target_ids[:g],
+            matched=matched,
+            matched_drafts=matched[:g],
+            accept_lens=accept_lens,
+            accept_row=accept_lens.view(1, bs),
+            accept_rows=accept_lens.view(1, bs, 1).expand(1, bs, V),
+            target_scaled=cut(self.target_scaled, g + 1, bs, V),
+            p=p,
+            p_drafts=p[:g],
+            q_tok=cut(self.q_tok, g, bs, 1),
+            p_tok=cut(self.p_tok, g, bs, 1),
+            q_tok_flat=cut(self.q_tok, g, bs),
+            p_tok_flat=cut(self.p_tok, g, bs),
+            p_row=cut(self.p_row, 1, bs, V),
+            q_row=cut(self.q_row, 1, bs, V),
+            bonus_row=cut(self.bonus_row, 1, bs, V),
+            mass=cut(self.mass, 1, bs, 1),
+            has_mass=cut(self.has_mass, 1, bs, 1),
+            bonus=state.last_ids.view(1, bs),
+            is_sampled=state.is_sampled.view(1, bs),
+            greedy_accept_lens=self.greedy_accept_lens[:bs].view(1, bs),
+            greedy_bonus=self.greedy_bonus[:bs].view(1, bs),
+            packed=self.packed[:bs],
+        )

@@ -1,0 +1,88 @@
+"""bench_stats: the paired ratios the benches report, and their intervals."""
+
+import math
+import statistics
+import unittest
+
+from sglang.bench_stats import (
+    geometric_mean_ratio,
+    mean_ratio,
+    median_ratio,
+    t_quantile_975,
+)
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=1, suite="base-a-test-cpu")
+
+PAIRS = [(1.0, 2.0), (2.0, 4.4), (1.5, 2.7), (3.0, 6.6), (1.0, 1.9)]
+
+
+class TestBenchStats(CustomTestCase):
+    def test_t_quantile(self):
+        # Student's t 97.5% points from the tables.
+        for df, t in ((2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042), (120, 1.980)):
+            with self.subTest(df=df):
+                self.assertAlmostEqual(t_quantile_975(df), t, delta=0.04)
+        with self.assertRaises(ValueError):
+            t_quantile_975(0)
+
+    def test_geometric_mean_ratio(self):
+        ratio, lo, hi = geometric_mean_ratio(PAIRS)
+        logs = [math.log(b / a) for a, b in PAIRS]
+        self.assertAlmostEqual(ratio, math.exp(statistics.fmean(logs)))
+        half = 2.776 * statistics.stdev(logs) / math.sqrt(5)  # t(0.975, df=4)
+        self.assertAlmostEqual(lo, ratio * math.exp(-half), places=2)
+        self.assertAlmostEqual(hi, ratio * math.exp(half), places=2)
+        # Scaling one variant's times scales the ratio and its interval.
+        scaled = geometric_mean_ratio([(a, 3 * b) for a, b in PAIRS])
+        for x, y in zip(scaled, (ratio, lo, hi)):
+            self.assertAlmostEqual(x, 3 * y)
+
+    def test_mean_ratio(self):
+        ratio, lo, hi = mean_ratio(PAIRS)
+        self.assertAlmostEqual(ratio, 17.6 / 8.5)  # sum(b) / sum(a)
+        res = [b - ratio * a for a, b in PAIRS]
+        se = math.sqrt(sum(r * r for r in res) / 4 / 5) / 1.7  # mean(a) = 1.7
+        self.assertAlmostEqual(hi - ratio, 2.776 * se, places=2)
+        self.assertAlmostEqual(ratio - lo, hi - ratio)
+        # A long step weighs by its time, not by its log ratio.
+        skew = [(1.0, 2.0)] * 9 + [(1.0, 20.0)]
+        self.assertAlmostEqual(mean_ratio(skew)[0], 3.8)
+        self.assertLess(geometric_mean_ratio(skew)[0], 2.6)
+
+    def test_constant_ratio_and_too_few_pairs(self):
+        for fn in (mean_ratio, geometric_mean_ratio):
+            with self.subTest(fn=fn.__name__):
+                for x in fn([(1.0, 1.5), (2.0, 3.0), (4.0, 6.0)]):
+                    self.assertAlmostEqual(x, 1.5)  # no spread: zero width
+                _, lo, hi = fn([(1.0, 2.0), (1.0, 3.0)])
+                self.assertEqual((lo, hi), (None, None))
+        self.assertAlmostEqual(geometric_mean_ratio([(1, 2), (1, 3)])[0], math.sqrt(6))
+        self.assertEqual(mean_ratio([(1.0, 2.0), (1.0, 3.0)]), (2.5, None, None))
+
+    def test_median_ratio(self):
+        slower = median_ratio([1.1, 2.2, 3.3, 4.4, 5.5, 6.6], [1, 2, 3, 4, 5, 6])
+        self.assertAlmostEqual(slower["median"], 1.1)
+        self.assertAlmostEqual(slower["ci95"][0], 1.1)
+        self.assertTrue(slower["resolvable"])
+        noisy = median_ratio([0.9, 1.1, 1.0, 1.2, 0.95, 1.05], [1.0] * 6)
+        self.assertEqual(noisy["ci95"], [0.9, 1.2])
+        self.assertFalse(noisy["resolvable"])
+        # 10 pairs: the 2nd and 9th order statistics, coverage 1 - 22/1024.
+        ten = median_ratio(list(range(1, 11)), [1.0] * 10)
+        self.assertEqual(ten["ci95"], [2.0, 9.0])
+        self.assertAlmostEqual(ten["coverage"], 1 - 22 / 1024)
+        self.assertIsNone(median_ratio([1.0] * 5, [1.0] * 5)["ci95"])  # < 6 pairs
+
+    def test_bad_input(self):
+        for fn in (mean_ratio, geometric_mean_ratio):
+            with self.subTest(fn=fn.__name__):
+                with self.assertRaisesRegex(ValueError, "no pairs"):
+                    fn([])
+                with self.assertRaisesRegex(ValueError, "> 0"):
+                    fn([(1.0, 0.0)])
+
+
+if __name__ == "__main__":
+    unittest.main()
