@@ -122,7 +122,8 @@ class EPMoE(nn.Module):
             num_token_non_padded=num_token_non_padded,
         )
         masked = num_token_non_padded is not None
-        self._derived_weights()
+        if not torch.compiler.is_compiling():  # compiled code reads them as made
+            self._derived_weights()
         # CUDA and torch.compile: always dense (static shapes for capture, no
         # host read; the grouped matmul has no CPU compile support).
         if (

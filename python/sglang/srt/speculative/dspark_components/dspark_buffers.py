@@ -26,9 +26,9 @@ as [slot, bs, vocab]): a slot's rows are contiguous, and so are q's first
 g slots, which a softmax writes in place. Sizes share that memory, so the
 two constant rows (q's and ``matched``'s last) are refilled by
 ``set_constants(bs)`` whenever a step runs at another size.
-The drafts are written straight into the verify ids (``drafts`` is a view),
-the bonus straight into the batch state's ``last_ids``: nothing is copied
-between phases.
+The sampler writes the drafts slot by slot into a contiguous [g, B] buffer
+(compiled code takes no strided ``out=``), copied once into the verify ids;
+the bonus lands straight in the batch state's ``last_ids``.
 """
 
 import math
@@ -59,12 +59,13 @@ class DSparkStepViews:
     req_pool_col: torch.Tensor  # [B, 1]: the state's req_pool_indices
     verify_ids: torch.Tensor  # [B, g + 1]: bonus, then the drafts
     drafts: torch.Tensor  # [B, g]: verify_ids[:, 1:]
-    draft_cols: Tuple[torch.Tensor, ...]  # g x [B]: its columns
     verify_kv_lens: torch.Tensor  # [B, g + 1]
     verify_batch: ForwardBatch  # TARGET_VERIFY over the above
     verify_anchors: torch.Tensor  # [B]: verify_ids[:, 0]
-    draft_index: torch.Tensor  # [g, B, 1]: the drafts, slot-major (gather index)
-    drafts_by_slot: torch.Tensor  # [g, B]
+    drafts_by_slot: torch.Tensor  # [g, B]: the verified drafts (a view)
+    draft_index: torch.Tensor  # [g, B, 1]: the same, a gather index
+    sampled: torch.Tensor  # [g, B]: the sampler's drafts, contiguous
+    sampled_slots: Tuple[torch.Tensor, ...]  # g x [B]: its rows
     block_ids: torch.Tensor  # [B, g]: anchor, then mask_token_id
     block_anchors: torch.Tensor  # [B]: block_ids[:, 0]
     window_block_positions: torch.Tensor  # [B, g]: window positions[:, :g]
@@ -146,6 +147,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         self.positions, self.table_index = ints(n, g + 1), ints(n, g + 1)
         self.slots = ints(n, g + 1)
         self.verify_ids, self.verify_kv_lens = ints(n, g + 1), ints(n, g + 1)
+        self.draft_tokens = ints(g * n)  # slot-major, then copied into the verify ids
         self.block_ids = torch.full(
             (n, g), mask_token_id, dtype=torch.int64, device=dev
         )
@@ -226,9 +228,11 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         )
         corrections, noisy = cut(self.corrections, g, bs, V), cut(self.noisy, g, bs, V)
         q, log_e = cut(self.q, g + 1, bs, V), cut(self.log_e, g + 1, bs, V)
-        target_ids, matched = cut(self.target_ids, g + 1, bs), cut(self.matched, g + 1, bs)
+        target_ids, matched = cut(self.target_ids, g + 1, bs), cut(
+            self.matched, g + 1, bs
+        )
         p = cut(self.p, g + 1, bs, V)
-        drafts_by_slot = drafts.t()
+        sampled = cut(self.draft_tokens, g, bs)
         return DSparkStepViews(
             state=state,
             window=VerifyWindow(positions=positions, out_cache_loc=slots),
@@ -238,12 +242,13 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             req_pool_col=state.req_pool_indices.unsqueeze(1),
             verify_ids=verify_ids,
             drafts=drafts,
-            draft_cols=tuple(drafts[:, k] for k in range(g)),
             verify_kv_lens=verify_kv_lens,
             verify_batch=verify_batch,
             verify_anchors=verify_ids[:, 0],
-            draft_index=drafts_by_slot.unsqueeze(-1),
-            drafts_by_slot=drafts_by_slot,
+            drafts_by_slot=drafts.t(),
+            draft_index=drafts.t().unsqueeze(-1),
+            sampled=sampled,
+            sampled_slots=sampled.unbind(0),
             block_ids=block_ids,
             block_anchors=block_ids[:, 0],
             window_block_positions=positions[:, :g],

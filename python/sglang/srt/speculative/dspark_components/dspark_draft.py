@@ -135,7 +135,7 @@ class DraftBlockProposer:
         prev = state.last_ids
         # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)]), left to right.
         for source, correction, tokens in zip(
-            sources, v.correction_slots, v.draft_cols
+            sources, v.correction_slots, v.sampled_slots
         ):  # [bs, V], [bs, V], [bs]
             if table is not None:
                 torch.index_select(table, 0, prev, out=correction)
@@ -145,6 +145,7 @@ class DraftBlockProposer:
             torch.add(source, correction, out=v.scratch)
             torch.argmax(v.scratch, dim=-1, out=tokens)
             prev = tokens
+        v.drafts_by_slot.copy_(v.sampled)  # into the verify ids
         if not sampled:
             return DraftProposal(
                 draft_tokens=v.drafts, draft_probs=None, block_ids=v.block_ids

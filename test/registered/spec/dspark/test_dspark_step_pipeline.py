@@ -1,0 +1,154 @@
+"""The DSpark decode step as one pipeline: five phases in order, every op of
+a step inside one of them, no host read before the output phase, and the
+device step (draft -> verify -> accept -> commit) compiling as one graph
+with torch.compile(fullgraph=True), so a graph break fails the test."""
+
+import unittest
+from contextlib import contextmanager
+
+import torch
+
+from sglang import Engine
+from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.phases import PhaseRecorder
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=40, suite="base-a-test-cpu")
+
+PROMPTS = [list(b"import os\n"), list(b"def main(argv):\n"), list(b"class A:\n")]
+TEMPERATURES = {"greedy": (0, 0, 0), "sampled": (1, 0.7, 1.3), "mixed": (0, 1, 0.7)}
+
+
+def _running(temperatures, cuda_graph_bs=None):
+    """An engine with PROMPTS admitted and decoding (one step done)."""
+    engine = Engine(
+        speculative_algorithm="DSPARK",
+        device="cpu",
+        random_seed=0,
+        max_running_requests=4,
+        cuda_graph_bs=cuda_graph_bs,
+    )
+    sched = engine.scheduler
+    for i, (ids, t) in enumerate(zip(PROMPTS, temperatures)):
+        params = SamplingParams(max_new_tokens=40, temperature=t)
+        sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
+    sched.step()
+    return engine
+
+
+class TestPhases(CustomTestCase):
+    def test_every_op_in_a_phase_in_order(self):
+        for name, temps in TEMPERATURES.items():
+            for buckets in (None, [1, 2, 4]):  # exact, and padded to 4
+                with self.subTest(mode=name, buckets=buckets):
+                    self._check(_running(temps, buckets))
+
+    def _check(self, engine):
+        worker, order = engine.worker, []
+        with OpCounter() as step:
+            recorder = PhaseRecorder(counter=step)
+
+            @contextmanager
+            def hook(name):
+                order.append(name)
+                with recorder(name):
+                    yield
+
+            worker.spans.hook = hook
+            try:
+                engine.scheduler.step()
+            finally:
+                worker.spans.hook = None
+        totals = recorder.totals
+        phases = [n for n in order if n in worker.PHASES]
+        # draft opens twice (its host part, then its device part).
+        self.assertEqual(
+            phases, ["draft", "draft", "verify", "accept", "commit", "output"]
+        )
+        self.assertEqual(set(totals) - set(worker.PHASES), set(worker.MODEL_SPANS))
+        # Every op of the step is inside a phase: exact counts.
+        inside = sum(totals[p]["ops"] for p in worker.PHASES)
+        self.assertEqual(inside, step.ops)
+        self.assertGreater(step.ops, 300)
+        # The model's own compute is inside its phase.
+        for span, phase in (
+            ("attention metadata", "draft"),
+            ("draft forward", "draft"),
+            ("verify forward", "verify"),
+            ("context write", "commit"),
+        ):
+            self.assertLess(totals[span]["ops"], totals[phase]["ops"] + 1)
+            self.assertEqual(order.index(span) > order.index(phase), True)
+        # No host read before the output phase; the output's are not ops on
+        # the CPU (tolist reads in place).
+        reads = {n: t["host_reads"] for n, t in totals.items() if t["host_reads"]}
+        self.assertEqual(reads, {})
+        self.assertEqual(totals["output"]["ops"], 0)
+
+
+class TestFullGraph(CustomTestCase):
+    """The device step compiles whole and computes what it computes eagerly."""
+
+    def _state(self, engine):
+        worker = engine.worker
+        tensors = [
+            worker.buffers.state.seq_lens,
+            worker.buffers.state.last_ids,
+            worker.target_runner.token_to_kv_pool.k,
+            worker.target_runner.token_to_kv_pool.v,
+            worker.draft_runner.token_to_kv_pool.k,
+            worker.draft_runner.token_to_kv_pool.v,
+        ]
+        return tensors, [t.clone() for t in tensors]
+
+    def _device_step(self, engine, compiled_with=None):
+        """Prepare (bind, noise) and run the device step; its outputs, with
+        the state put back as it was before."""
+        worker = engine.worker
+        batch = engine.scheduler._batch  # running since the first step
+        mode = batch.sampling_mode
+        rows = worker._prepare(batch, mode)
+        tensors, saved = self._state(engine)
+        step = worker._device_step
+        if compiled_with is not None:
+            torch._dynamo.reset()
+            step = torch.compile(step, fullgraph=True, backend=compiled_with)
+        step(rows, mode, max(batch.seq_lens_cpu) + worker.gamma)
+        v = worker.buffers.at(batch.batch_size)
+        out = [
+            t.clone()
+            for t in (v.drafts, v.accept_lens, v.state.last_ids, v.state.seq_lens)
+        ]
+        out += [t.clone() for t in tensors[2:]]
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+        return out
+
+    def test_compiles_whole_and_matches_eager(self):
+        for name, temps in TEMPERATURES.items():
+            with self.subTest(mode=name):
+                engine = _running(temps)
+                gen = engine.worker.generator
+                seed = gen.initial_seed()
+                gen.manual_seed(seed)
+                eager = self._device_step(engine)
+                gen.manual_seed(seed)  # the same noise, drawn before the step
+                compiled = self._device_step(engine, compiled_with="aot_eager")
+                for a, b in zip(eager, compiled):
+                    self.assertTrue(torch.equal(a, b))
+
+    def test_inductor_greedy_tokens(self):
+        # Generated kernels round differently, but pick the same tokens.
+        engine = _running(TEMPERATURES["greedy"])
+        eager = self._device_step(engine)
+        compiled = self._device_step(engine, compiled_with="inductor")
+        for a, b in zip(eager[:4], compiled[:4]):
+            self.assertTrue(torch.equal(a, b))
+        for a, b in zip(eager[4:], compiled[4:]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+if __name__ == "__main__":
+    unittest.main()
