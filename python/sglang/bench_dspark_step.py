@@ -152,6 +152,9 @@ class _Bench:
             disable_cuda_graph=args.disable_cuda_graph,
             num_threads=args.num_threads,
             dist_timeout=args.ep_timeout,  # the engine builds its EP groups with it
+            # The seed's scenario: every draft verified (no budget planner,
+            # whose timing-based plans would differ between the variants).
+            speculative_verify_budget="off",
         )
         with_proposer(self.engine, variant)
         self.is_cuda = self.engine.server_args.device.startswith("cuda")

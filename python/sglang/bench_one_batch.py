@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
             speculative_algorithm="DSPARK",
             # Upstream's speculative_num_draft_tokens is the verify width.
             speculative_num_draft_tokens=None if args.gamma is None else args.gamma + 1,
+            speculative_verify_budget=args.speculative_verify_budget,
+            speculative_dspark_sps_table_path=args.speculative_dspark_sps_table_path,
             **common,
         ),
     }
@@ -302,6 +304,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
         cost_ratio, mean_lo, mean_hi = mean_ratio(pairs)
         verify_ct = sum(r.spec_verify_ct for r in all_reqs["dspark"])
         accepted = sum(r.spec_accepted_drafts for r in all_reqs["dspark"])
+        verified = sum(r.spec_verified_drafts for r in all_reqs["dspark"])
         row.update(
             step_pairs=len(pairs),
             step_cost_ratio=ratio,
@@ -315,6 +318,9 @@ def run(args: argparse.Namespace) -> List[Dict]:
             tokens_per_s_ratio=row["dspark_tokens_per_s"] / row["plain_tokens_per_s"],
             # Committed tokens per verify step, before truncation at max_new_tokens.
             accept_length=(verify_ct + accepted) / verify_ct,
+            # Drafts the target verified per request and step (gamma: all).
+            verify_tokens=verified / verify_ct,
+            verify_budget=args.speculative_verify_budget,
             # Every round of both engines against the first plain round.
             greedy_output_equal=(
                 all(o == outputs["plain"][0] for name in ENGINES for o in outputs[name])
@@ -322,6 +328,9 @@ def run(args: argparse.Namespace) -> List[Dict]:
                 else None
             ),
         )
+        planner = dspark.worker.planner
+        if planner is not None:  # what the draft's confidence predicted
+            row["calibration"] = planner.calibration_table()
         if args.phases:
             phases = _phase_round(engines, prompts, params, args.block_steps)
             unit = phases["plain"]["step"]
@@ -360,6 +369,7 @@ def _format(r: Dict, engines: Dict[str, Engine]) -> str:
         f"tokens/step {r['tokens_per_step_ratio']:.2f}x / mean step cost "
         f"{r['step_cost_mean_ratio']:.3f} = speedup "
         f"{r['speedup']:.3f}x{speedup_ci} | accept length {r['accept_length']:.2f} | "
+        f"verified drafts {r['verify_tokens']:.2f} (budget {r['verify_budget']}) | "
         f"requests per step {r['plain_rows_per_step']:.2f} plain, "
         f"{r['dspark_rows_per_step']:.2f} dspark | "
         f"greedy equal: {'n/a (sampling)' if equal is None else equal}"
@@ -397,6 +407,20 @@ def _format(r: Dict, engines: Dict[str, Engine]) -> str:
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.0f}"
+
+
+def _budget(text: str):
+    if text in ("auto", "off"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected auto, off or an int >= 0, got {text!r}"
+        )
+    return value
 
 
 def main(argv=None) -> int:
@@ -438,6 +462,19 @@ def main(argv=None) -> int:
         default=None,
         help="draft block size gamma (the engine's speculative_num_draft_tokens "
         "is gamma + 1); default: the draft's block size",
+    )
+    p.add_argument(
+        "--speculative-verify-budget",
+        type=_budget,
+        default="auto",
+        help="drafted tokens a DSpark step verifies: auto (planned per step), "
+        "off (all of them) or N (at most N per step)",
+    )
+    p.add_argument(
+        "--speculative-dspark-sps-table-path",
+        default=None,
+        help="the cost table 'auto' plans with: read when it exists, else "
+        "measured at start-up and saved there",
     )
     p.add_argument("--model-path", default=None, help="default: the embedded pair")
     p.add_argument("--device", default=None, help="default: cuda when present")

@@ -101,6 +101,13 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = None  # None: the bundled draft
     # The verify width, gamma + 1 (upstream's meaning); None: draft's block + 1.
     speculative_num_draft_tokens: Optional[int] = None
+    # Drafted tokens a DSpark step verifies: "auto" (planned per step from
+    # the drafts' confidence and a measured cost table; 0 is a plain step),
+    # "off" (every draft), or an int: at most that many per step.
+    speculative_verify_budget: Union[str, int] = "auto"
+    # The cost table "auto" plans with: read from this file when it exists,
+    # else measured at start-up (and saved here when a path is given).
+    speculative_dspark_sps_table_path: Optional[str] = None
     # str or torch.device; None: cuda when present, else cpu. Stored as str.
     device: Optional[Union[str, torch.device]] = None
     random_seed: int = 0  # in [0, 2**63)
@@ -185,13 +192,28 @@ class ServerArgs:
             raise ValueError(
                 f"speculative_draft_model_path must be a str, got {path!r}"
             )
+        budget = self.speculative_verify_budget
+        if budget not in ("auto", "off") and (not _is_int(budget) or budget < 0):
+            raise ValueError(
+                f"speculative_verify_budget must be 'auto', 'off' or an int >= 0, "
+                f"got {budget!r}"
+            )
+        if _is_int(budget):
+            self.speculative_verify_budget = int(budget)
+        table = self.speculative_dspark_sps_table_path
+        if table is not None and not isinstance(table, str):
+            raise ValueError(
+                f"speculative_dspark_sps_table_path must be a str, got {table!r}"
+            )
         if algo is None:
             # Options plain decoding would ignore: refuse them rather than drop.
-            for name in (
-                "speculative_draft_model_path",
-                "speculative_num_draft_tokens",
+            for name, unset in (
+                ("speculative_draft_model_path", None),
+                ("speculative_num_draft_tokens", None),
+                ("speculative_verify_budget", "auto"),
+                ("speculative_dspark_sps_table_path", None),
             ):
-                if getattr(self, name) is not None:
+                if getattr(self, name) != unset:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} is only used with "
                         f"speculative_algorithm='DSPARK', got speculative_algorithm="
@@ -225,9 +247,18 @@ class ServerArgs:
         request -> token table (the per-step buffers are small beside them)."""
         target_config = self._resolve_model()
         num_layers = target_config.num_layers
+        stash = 0
         if self.speculative_algorithm == "DSPARK":
             num_layers += self._draft_num_layers()
-        return {
+            if self.speculative_verify_budget != "off":
+                # The target hidden states of plain steps, per KV slot.
+                width = len(
+                    get_draft_config(self.speculative_draft_model_path).target_layer_ids
+                )
+                stash = (
+                    (self.max_total_tokens + 1) * width * target_config.hidden_size * 4
+                )
+        sizes = {
             "kv_pools": KVPool.nbytes_for(
                 num_layers=num_layers,
                 num_slots=self.max_total_tokens,
@@ -240,6 +271,9 @@ class ServerArgs:
                 max_context_len=self.context_length,
             ),
         }
+        if stash:
+            sizes["draft_context_stash"] = stash
+        return sizes
 
     def _check_memory(self) -> None:
         need = self.static_memory_bytes()

@@ -58,7 +58,7 @@ class OracleProposer:
                 row.append(tok)
             self._rows.append(row)
 
-    def propose(self, *, views, mode) -> DraftProposal:
+    def propose(self, *, views, mode, confidence=False) -> DraftProposal:
         drafts = views.drafts[: len(self._rows)]  # padded rows keep anything
         drafts.copy_(torch.tensor(self._rows, device=drafts.device))
         return DraftProposal(
@@ -73,7 +73,10 @@ class TestDSparkMatchesPlainGreedy(CustomTestCase):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         kw = dict(device=device, random_seed=0, max_running_requests=8)
         cls.plain = Engine(speculative_algorithm=None, **kw)
-        cls.dspark = Engine(speculative_algorithm="DSPARK", **kw)
+        # Every draft verified: the oracle's verdicts are counted exactly.
+        cls.dspark = Engine(
+            speculative_algorithm="DSPARK", speculative_verify_budget="off", **kw
+        )
         cls.gamma = cls.dspark.dspark_config.gamma
         cls.real_proposer = cls.dspark.worker.proposer
 

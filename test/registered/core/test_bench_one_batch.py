@@ -91,7 +91,8 @@ class TestBenchOneBatch(CustomTestCase):
         # The shipped pair's draft accepts long runs, so a short request can
         # finish in its first decode step: the op-count pass gives its own
         # requests room for every counted step. Op counts do not depend on
-        # the weights (same architecture): they equal the random pair's.
+        # the weights (same architecture): they equal the random pair's,
+        # with every draft verified (a planner's budgets follow the draft).
         rows = {}
         for model in ([], ["--model-path", "random-tiny-moe"]):
             with tempfile.TemporaryDirectory() as d:
@@ -100,6 +101,7 @@ class TestBenchOneBatch(CustomTestCase):
                     ["--batch-size", "3", "--input-len", "8", "--output-len", "4"]
                     + ["--repeats", "1", "--temperature", "0", "--count-ops"]
                     + ["--prompts", "random", "--json", path]
+                    + ["--speculative-verify-budget", "off"]
                     + model
                 )
                 with open(path) as f:
@@ -200,7 +202,8 @@ class TestBenchOneBatch(CustomTestCase):
     def test_a_row_draws_the_same_whatever_ran_before(self):
         # A sampled row alone, and after another row and --count-ops passes
         # (which draw from the engines' generators): the same draws, so the
-        # same accepted drafts and step counts.
+        # same accepted drafts and step counts (every draft verified: a
+        # planner's budgets follow the steps timed before).
         rows = {}
         with tempfile.TemporaryDirectory() as d:
             for name, extra in (
@@ -211,6 +214,7 @@ class TestBenchOneBatch(CustomTestCase):
                 rc, _ = _main(
                     ["--input-len", "4", "--output-len", "12", "--repeats", "1"]
                     + ["--temperature", "0.7", "--json", path]
+                    + ["--speculative-verify-budget", "off"]
                     + extra
                 )
                 self.assertEqual(rc, 0)

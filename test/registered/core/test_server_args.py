@@ -148,6 +148,9 @@ class TestMemorySizing(CustomTestCase):
                     "kv_pools": sum(p.k.nbytes + p.v.nbytes for p in pools),
                     "req_to_token": engine.req_to_token_pool.req_to_token.nbytes,
                 }
+                if algo is not None:  # the verify budget's stash of plain steps
+                    stash = engine.worker.context_stash
+                    allocated["draft_context_stash"] = stash.nbytes
                 estimate = engine.server_args.static_memory_bytes()
                 self.assertEqual(estimate, allocated)
 

@@ -41,7 +41,12 @@ class TestTrainingForwardMatchesEngine(CustomTestCase):
     proposal's own tokens)."""
 
     def test_target_and_draft_logits(self):
-        engine = Engine(speculative_algorithm="DSPARK", device="cpu", random_seed=5)
+        engine = Engine(
+            speculative_algorithm="DSPARK",
+            device="cpu",
+            random_seed=5,
+            speculative_verify_budget="off",  # whole blocks: rows are positions
+        )
         worker = engine.worker
         runner, proposer = worker.target_worker.model_runner, worker.proposer
         targets, proposals = [], []
@@ -55,8 +60,8 @@ class TestTrainingForwardMatchesEngine(CustomTestCase):
             )
             return out
 
-        def propose_spy(*, views, mode):
-            p = propose(views=views, mode=mode)
+        def propose_spy(*, views, mode, confidence=False):
+            p = propose(views=views, mode=mode, confidence=confidence)
             start = int(views.window.positions[0, 0])
             # The Markov-corrected logits, [bs, gamma, V] (kept slot-major).
             logits = views.corrected.transpose(0, 1).clone()

@@ -119,6 +119,22 @@ def all_gather_digests(*, digest: bytes, group, what: str) -> list:
     return [bytes(t.tolist()) for t in gathered]
 
 
+def all_gather_int(*, value: int, group, what: str) -> list:
+    """Every rank's ``value``, in rank order (a gloo all-gather of one int);
+    RuntimeError naming ``what`` when a rank does not answer in time."""
+    mine = torch.tensor([value], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(gathered, mine, group=group)
+    except RuntimeError as e:  # gloo: peer closed, or timed out
+        raise RuntimeError(
+            f"EP rank {dist.get_rank()}: the ranks did not all answer the {what} "
+            f"exchange (a rank died, stalled past dist_timeout, or is in another "
+            f"call): {e}"
+        ) from e
+    return [int(t) for t in gathered]
+
+
 def check_ranks_agree(*, digest: bytes, group, what: str) -> None:
     """All-gather ``digest`` and raise ValueError on every rank when any two
     ranks differ: all ranks gather before any raises, so all of them learn."""

@@ -123,6 +123,8 @@ class Engine:
                 max_batch_size=args.max_running_requests,
                 bucket_sizes=args.cuda_graph_bs,
                 use_cuda_graph=args.use_cuda_graph,
+                verify_budget=args.speculative_verify_budget,
+                cost_table_path=args.speculative_dspark_sps_table_path,
             )
         else:
             target_worker.init_decode(
@@ -294,6 +296,13 @@ class Engine:
                 "completion_tokens": len(req.output_ids),
                 "finish_reason": req.finished_reason,
                 "spec_verify_ct": req.spec_verify_ct,
+                # Drafts the target verified per verify step (gamma without
+                # a verify budget; fewer where the planner cut the block).
+                "spec_verify_tokens": (
+                    req.spec_verified_drafts / req.spec_verify_ct
+                    if req.spec_verify_ct
+                    else 0.0
+                ),
                 # Accepted drafts + 1 per verify step, counted before the
                 # output is cut at max_new_tokens or EOS (upstream's measure).
                 "spec_accept_length": (

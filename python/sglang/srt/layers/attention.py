@@ -13,6 +13,12 @@ draft block and the context write read it). Keys are read only up to
 host-side sequence lengths (no device read), or the table's full width
 under CUDA-graph capture, whose shapes are static.
 
+A ragged batch (a verify where each request checks its own number of
+drafts) runs only some places of its [bs, q_len] grid: ``query_index``
+says which. The mask covers the whole grid; the rows' queries are placed
+into it for the attention (places not run see key 0, their output unread)
+and read back out: the projections and experts run on the rows only.
+
 This layer takes plain tensors: it knows nothing of the batch types above it.
 """
 
@@ -55,6 +61,10 @@ class AttentionMetadata:
     attn_mask: torch.Tensor
     cos: torch.Tensor  # [T, 1, head_dim], the rows' rotary tables
     sin: torch.Tensor  # [T, 1, head_dim]
+    # A ragged batch's rows' places in the grid, and the grid of queries
+    # they are placed into; None when every place is a row.
+    query_index: Optional[torch.Tensor] = None  # [T]
+    query_grid: Optional[torch.Tensor] = None  # [bs * q_len, heads, head_dim]
 
     @classmethod
     def init_new(
@@ -63,11 +73,13 @@ class AttentionMetadata:
         req_to_token: torch.Tensor,  # [max_reqs + 1, width] int64
         req_pool_indices: torch.Tensor,  # [bs]
         positions: torch.Tensor,  # [T]
-        kv_lens: torch.Tensor,  # [T]
+        kv_lens: torch.Tensor,  # [bs * q_len]: every place of the grid
         q_len: int,
         kv_bound: int,
         rotary: RotaryEmbedding,
         dtype,
+        query_index: Optional[torch.Tensor] = None,  # [T]; None: T = bs * q_len
+        query_shape: Optional[tuple] = None,  # (heads, head_dim), with query_index
     ) -> "AttentionMetadata":
         bs = req_pool_indices.shape[0]
         slots = req_to_token[:, :kv_bound][req_pool_indices]  # [bs, kv_bound]
@@ -76,6 +88,11 @@ class AttentionMetadata:
         # The float mask SDPA would build from a bool one, built once here.
         mask = torch.zeros(hidden.shape, dtype=dtype, device=slots.device)
         cos, sin = rotary.cos_sin(positions, dtype)
+        grid = None
+        if query_index is not None:
+            grid = torch.zeros(
+                (bs * q_len,) + tuple(query_shape), dtype=dtype, device=slots.device
+            )
         return cls(
             batch_size=bs,
             q_len=q_len,
@@ -84,6 +101,8 @@ class AttentionMetadata:
             attn_mask=mask.masked_fill_(hidden, float("-inf")),
             cos=cos,
             sin=sin,
+            query_index=query_index,
+            query_grid=grid,
         )
 
 
@@ -99,10 +118,14 @@ def slot_attention(
     shape = (bs, metadata.kv_bound, heads, dim)
     k = k_cache.index_select(0, metadata.kv_slots).view(shape)
     v = v_cache.index_select(0, metadata.kv_slots).view(shape)
+    ragged = metadata.query_index is not None
+    if ragged:  # the rows' queries into their places (the others: any value)
+        q = metadata.query_grid.index_copy_(0, metadata.query_index, q)
     out = F.scaled_dot_product_attention(
         q.view(bs, q_len, heads, dim).transpose(1, 2),  # [bs, heads, q_len, dim]
         k.transpose(1, 2),  # [bs, heads, L, dim]
         v.transpose(1, 2),
         attn_mask=metadata.attn_mask,  # [bs, 1, q_len, L]
     )
-    return out.transpose(1, 2).reshape(bs * q_len, heads * dim)
+    out = out.transpose(1, 2).reshape(bs * q_len, heads * dim)
+    return out.index_select(0, metadata.query_index) if ragged else out

@@ -73,6 +73,12 @@ class Req:
     finished_reason: Optional[str] = None
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
+    spec_verified_drafts: int = 0  # drafts the target verified, all steps
+    # The confidence of each draft of its last block (the verify planner's).
+    spec_draft_confidence: Optional[List[float]] = None
+    # The first position whose draft context waits in the worker's stash
+    # (committed by plain steps); None: the draft's context is whole.
+    draft_context_from: Optional[int] = None
 
     @property
     def seq_len(self) -> int:
@@ -233,3 +239,4 @@ class StepOutput:
 
     output_ids: List[List[int]]  # tokens to append, in order
     accepted_drafts: List[int]  # drafts accepted (always 0 without speculation)
+    verified_drafts: Optional[List[int]] = None  # drafts verified; None: 0

@@ -194,11 +194,13 @@ class Scheduler:
         if self._batch.seq_lens.is_cuda:
             torch.cuda.synchronize()
         self.decode_step_times.append(time.perf_counter() - start)
-        for req, ids, accepted in zip(
-            self.running, out.output_ids, out.accepted_drafts
+        verified = out.verified_drafts or [0] * len(self.running)
+        for req, ids, accepted, checked in zip(
+            self.running, out.output_ids, out.accepted_drafts, verified
         ):
             req.spec_verify_ct += 1
             req.spec_accepted_drafts += accepted
+            req.spec_verified_drafts += checked
             req.append_tokens(ids, self.eos_token_id)
         done = [r for r in self.running if r.finished]
         if done:

@@ -138,7 +138,7 @@ class TpModelWorker:
             use_cuda_graph=use_cuda_graph,
             reset=self.buffers.state.reset,
         )
-        self.graph_runner.capture(list(SamplingMode))
+        self.graph_runner.capture(lambda rows: list(SamplingMode))
 
     def prefill(self, *, req: Req) -> int:
         return self.forward_prefill(req=req)[0]

@@ -8,10 +8,13 @@ which a step also calls to refill a batch it reuses). The DSpark draft block
 gets it from the proposer, through its own helper
 (``dspark_draft._make_num_token_non_padded``).
 
-Layout: every request in a batch contributes the same number of rows
+Layout: every request in a batch has the same number of places
 (``tokens_per_req``): 1 for decode, gamma for the DSpark draft block,
 gamma + 1 for target verify, the prompt length for a single-request extend.
-Rows are request-major: row ``b * tokens_per_req + j``.
+Places are request-major: place ``b * tokens_per_req + j``. A batch runs
+every place as a row, or, with ``query_index``, only some of them (a ragged
+verify: each request verifies its own number of drafts); ``kv_lens`` is
+then still given for every place, the other fields for the rows run.
 """
 
 import enum
@@ -96,7 +99,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot each row writes
     req_pool_indices: torch.Tensor  # [bs] int64, row of the req->slot table
-    kv_lens: torch.Tensor  # [num_tokens] int64, row attends key positions < this
+    # [bs * tokens_per_req] int64: place attends key positions < this
+    kv_lens: torch.Tensor
     # Real rows; the rest is padding up to a graph bucket. None: mask nothing.
     num_token_non_padded: Optional[torch.Tensor] = None  # [] int32, on device
     num_token_non_padded_cpu: int = 0
@@ -112,16 +116,27 @@ class ForwardBatch:
     # (the DSpark step: the verify's, also read by the draft block and the
     # context write); None: the model builds its own.
     attn_metadata: Optional["AttentionMetadata"] = None
+    # [num_tokens] int64: each row's place in the [bs, tokens_per_req] grid,
+    # ascending; None: every place is a row, in order.
+    query_index: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        expected = self.batch_size * self.tokens_per_req
-        for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):
-            rows = getattr(self, name).shape[0]
-            if rows != expected:
-                raise ValueError(
-                    f"{name} has {rows} rows, expected batch_size * "
-                    f"tokens_per_req = {expected}"
+        places = self.batch_size * self.tokens_per_req
+        if self.kv_lens.shape[0] != places:
+            raise ValueError(
+                f"kv_lens has {self.kv_lens.shape[0]} rows, expected batch_size * "
+                f"tokens_per_req = {places}"
+            )
+        rows = self.num_tokens
+        for name in ("input_ids", "positions", "out_cache_loc"):
+            got = getattr(self, name).shape[0]
+            if got != rows:
+                what = (
+                    "query_index"
+                    if self.query_index is not None
+                    else ("batch_size * tokens_per_req")
                 )
+                raise ValueError(f"{name} has {got} rows, expected {what} = {rows}")
         if self.req_pool_indices.shape[0] != self.batch_size:
             raise ValueError(
                 f"req_pool_indices has {self.req_pool_indices.shape[0]} rows, "
@@ -170,4 +185,7 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Rows run: every place, or the ones ``query_index`` names."""
+        if self.query_index is not None:
+            return self.query_index.shape[0]
         return self.batch_size * self.tokens_per_req

@@ -9,7 +9,7 @@ given it runs padded, as the graph would (the tests of the padded path),
 otherwise at the batch's own size.
 
 Graphs are captured up front, for every bucket and every variant the worker
-names (greedy, sampled, ...), over dummy rows: a capture's warm-up runs the
+names for it (greedy, sampled, a verify budget, ...), over dummy rows: a capture's warm-up runs the
 step for real, and on dummy rows that touches only scratch.
 """
 
@@ -56,12 +56,12 @@ class GraphRunner:
     def is_graphed(self, rows: int) -> bool:
         return self.use_cuda_graph and rows in self.buckets
 
-    def capture(self, variants: Sequence[Hashable]) -> None:
-        """Capture every bucket for every variant (CUDA only)."""
+    def capture(self, variants: Callable[[int], Sequence[Hashable]]) -> None:
+        """Capture every bucket for each of its variants (CUDA only)."""
         if not self.use_cuda_graph:
             return
         for rows in reversed(self.buckets):
-            for variant in variants:
+            for variant in variants(rows):
                 self._capture(rows, variant)
         self.reset()
 

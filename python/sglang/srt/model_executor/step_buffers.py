@@ -4,11 +4,13 @@ A worker allocates every tensor a decode step touches once, for its largest
 batch (a subclass's constructor), and a step only slices and fills them.
 ``at(bs)`` returns the views cut to ``bs`` rows, made once per size: the one
 per-batch-size view cache; the worker's parts (window, proposer, acceptance)
-all read their slices from it. Because the views keep their addresses, a
-CUDA graph captured over ``at(bucket)`` reads whatever a step writes there.
+all read their slices from it. ``cached(key, make)`` keeps other views made
+once per key in the same cache (a ragged verify batch per size and token
+count). Because the views keep their addresses, a CUDA graph captured over
+``at(bucket)`` reads whatever a step writes there.
 """
 
-from typing import Dict, Generic, TypeVar
+from typing import Any, Callable, Dict, Generic, Hashable, TypeVar
 
 V = TypeVar("V")
 
@@ -18,7 +20,7 @@ class StepBuffers(Generic[V]):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
-        self._views: Dict[int, V] = {}
+        self._views: Dict[Hashable, Any] = {}
 
     def at(self, bs: int) -> V:
         """The views of the first ``bs`` rows (built on first use, then kept)."""
@@ -30,6 +32,13 @@ class StepBuffers(Generic[V]):
                     f"max_batch_size={self.max_batch_size})"
                 )
             views = self._views[bs] = self._cut(bs)
+        return views
+
+    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """Views made once per ``key`` (a tuple, apart from the sizes)."""
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = make()
         return views
 
     def _cut(self, bs: int) -> V:

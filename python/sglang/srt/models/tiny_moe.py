@@ -2,7 +2,7 @@
 states of chosen layers (the DSpark draft's context)."""
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -35,7 +35,11 @@ class TinyMoEConfig:
 
 
 def init_attention_metadata(
-    forward_batch: ForwardBatch, *, rotary: RotaryEmbedding, dtype
+    forward_batch: ForwardBatch,
+    *,
+    rotary: RotaryEmbedding,
+    dtype,
+    query_shape: Optional[tuple] = None,  # (heads, head_dim): a ragged batch's
 ) -> AttentionMetadata:
     """The attention metadata of a batch: keys up to its host-known longest
     kv_len (the table's width under CUDA-graph capture)."""
@@ -55,6 +59,8 @@ def init_attention_metadata(
         ),
         rotary=rotary,
         dtype=dtype,
+        query_index=forward_batch.query_index,
+        query_shape=query_shape,
     )
 
 
@@ -164,8 +170,12 @@ class TinyMoEForCausalLM(nn.Module):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> AttentionMetadata:
         """What every layer of a forward over this batch shares."""
+        c = self.config
         return init_attention_metadata(
-            forward_batch, rotary=self.rotary_emb, dtype=self.embed_tokens.weight.dtype
+            forward_batch,
+            rotary=self.rotary_emb,
+            dtype=self.embed_tokens.weight.dtype,
+            query_shape=(c.num_heads, c.head_dim),
         )
 
     @torch.no_grad()

@@ -1,4 +1,5 @@
-"""The num_token_non_padded helper: None on EP size 1, the int32 scalar on EP > 1."""
+"""The num_token_non_padded helper: None on EP size 1, the int32 scalar on
+EP > 1; and the verify tier a rank runs under a verify budget."""
 
 import unittest
 from unittest import mock
@@ -11,6 +12,9 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative.dspark_components import dspark_draft as draft
 from sglang.srt.speculative.dspark_components.dspark_draft import (
     _make_num_token_non_padded,
+)
+from sglang.srt.speculative.dspark_components.dspark_planner import (
+    local_verify_tier_num_tokens,
 )
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
@@ -202,6 +206,34 @@ class TestBadInput(CustomTestCase):
                     with self.subTest(enabled=enabled, bad=bad):
                         with self.assertRaisesRegex(ValueError, needle):
                             _make_num_token_non_padded(bad, "cpu")
+
+
+class TestLocalVerifyTierNumTokens(CustomTestCase):
+    """Rows a rank verifies: each request's floor of max(min_verify_len, 1)
+    rows plus the draft budget, at most every request's whole window."""
+
+    def _tier(self, budget, min_verify_len=1, bs=8, width=6):
+        return local_verify_tier_num_tokens(
+            bs=bs,
+            verify_token_budget=budget,
+            verify_num_draft_tokens=width,
+            min_verify_len=min_verify_len,
+        )
+
+    def test_no_budget_is_the_sentinel(self):
+        self.assertEqual(self._tier(None), -1)
+
+    def test_budget_on_top_of_the_anchor_rows(self):
+        self.assertEqual(self._tier(10), 8 + 10)
+        self.assertEqual(self._tier(0), 8)  # a plain step: the anchors alone
+
+    def test_at_most_the_whole_window(self):
+        self.assertEqual(self._tier(1000), 8 * 6)
+        self.assertEqual(self._tier(40), 48)
+
+    def test_min_verify_len_raises_the_floor(self):
+        self.assertEqual(self._tier(10, min_verify_len=3), 8 * 3 + 10)
+        self.assertEqual(self._tier(10, min_verify_len=0), 8 + 10)  # as 1
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ ENGINE_ARGS = dict(
     random_seed=0,
     max_running_requests=4,
     cuda_graph_bs=[1, 2, 4],  # 3 requests pad to 4: padded rows exist
+    speculative_verify_budget="off",  # whole blocks: the scalar's counts below
 )
 
 

@@ -37,6 +37,7 @@ class TestDraftBlockProposer(CustomTestCase):
             random_seed=0,
             max_running_requests=8,
             cuda_graph_bs=[1, 2, 4, 8],
+            speculative_verify_budget="off",
         )
         self.worker = self.engine.worker
         self.proposer = self.worker.proposer
@@ -61,10 +62,9 @@ class TestDraftBlockProposer(CustomTestCase):
         worker, mode = self.worker, batch.sampling_mode
         if seed is not None:
             worker.generator.manual_seed(seed)
-        rows = worker._prepare(batch, mode)
+        rows, _ = worker._prepare(batch, mode)
         views = worker.buffers.at(rows)
-        views.verify_batch.max_kv_len = max(batch.seq_lens_cpu) + self.gamma
-        worker._fill_inputs(views)
+        worker._fill_window(views, max(batch.seq_lens_cpu) + self.gamma, plain=False)
         return views, self.proposer.propose(views=views, mode=mode)
 
     def test_block_layout_and_shapes(self):

@@ -21,7 +21,7 @@ PROMPTS = [list(b"import os\n"), list(b"def main(argv):\n"), list(b"class A:\n")
 TEMPERATURES = {"greedy": (0, 0, 0), "sampled": (1, 0.7, 1.3), "mixed": (0, 1, 0.7)}
 
 
-def _running(temperatures, cuda_graph_bs=None):
+def _running(temperatures, cuda_graph_bs=None, budget="off"):
     """An engine with PROMPTS admitted and decoding (one step done)."""
     engine = Engine(
         speculative_algorithm="DSPARK",
@@ -29,6 +29,7 @@ def _running(temperatures, cuda_graph_bs=None):
         random_seed=0,
         max_running_requests=4,
         cuda_graph_bs=cuda_graph_bs,
+        speculative_verify_budget=budget,
     )
     sched = engine.scheduler
     for i, (ids, t) in enumerate(zip(PROMPTS, temperatures)):
@@ -82,10 +83,10 @@ class TestPhases(CustomTestCase):
             self.assertLess(totals[span]["ops"], totals[phase]["ops"] + 1)
             self.assertEqual(order.index(span) > order.index(phase), True)
         # No host read before the output phase; the output's are not ops on
-        # the CPU (tolist reads in place).
+        # the CPU (tolist reads in place), and allocate nothing.
         reads = {n: t["host_reads"] for n, t in totals.items() if t["host_reads"]}
         self.assertEqual(reads, {})
-        self.assertEqual(totals["output"]["ops"], 0)
+        self.assertEqual(totals["output"]["allocs"], 0)
 
 
 class TestFullGraph(CustomTestCase):
@@ -109,13 +110,15 @@ class TestFullGraph(CustomTestCase):
         worker = engine.worker
         batch = engine.scheduler._batch  # running since the first step
         mode = batch.sampling_mode
-        rows = worker._prepare(batch, mode)
+        rows, budget = worker._prepare(batch, mode)
         tensors, saved = self._state(engine)
         step = worker._device_step
         if compiled_with is not None:
             torch._dynamo.reset()
             step = torch.compile(step, fullgraph=True, backend=compiled_with)
-        step(rows, mode, max(batch.seq_lens_cpu) + worker.gamma)
+        ragged = 0 < budget < rows * worker.gamma
+        variant = (mode, budget, ragged)
+        step(rows, variant, max(batch.seq_lens_cpu) + worker.gamma)
         v = worker.buffers.at(batch.batch_size)
         out = [
             t.clone()
@@ -127,9 +130,15 @@ class TestFullGraph(CustomTestCase):
         return out
 
     def test_compiles_whole_and_matches_eager(self):
-        for name, temps in TEMPERATURES.items():
-            with self.subTest(mode=name):
-                engine = _running(temps)
+        # Every draft verified, a ragged verify (4 drafts of 15), and a plain
+        # step (budget 0).
+        cases = [(name, "off") for name in TEMPERATURES] + [
+            ("mixed", 4),
+            ("sampled", 0),
+        ]
+        for name, budget in cases:
+            with self.subTest(mode=name, budget=budget):
+                engine = _running(TEMPERATURES[name], budget=budget)
                 gen = engine.worker.generator
                 seed = gen.initial_seed()
                 gen.manual_seed(seed)

@@ -316,5 +316,58 @@ class TestMixedBatch(CustomTestCase):
         self.assertTrue(bool((views.accept_lens >= 0).all()))
 
 
+class TestRaggedAccept(CustomTestCase):
+    """After a ragged verify (request b verified its first verify_lens[b]
+    drafts), an unverified draft ends the block; a full accept of the
+    verified ones draws the bonus from p alone."""
+
+    VOCAB, GAMMA = 5, 3
+    P = TestRejectionAccept.P
+    Q = TestRejectionAccept.Q
+
+    def _run(self, verify_len, n=N, seed=0, mode=SamplingMode.SAMPLED, q_last=None):
+        gen = torch.Generator().manual_seed(3000 + seed)
+        views = _views(n, self.GAMMA, self.VOCAB)
+        _set_temperatures(
+            views, torch.ones(n) if mode is not SamplingMode.GREEDY else torch.zeros(n)
+        )
+        # Every draft equal to p's argmax and q = p: all would be accepted.
+        drafts = torch.zeros(n, self.GAMMA, dtype=torch.int64)
+        views.drafts.copy_(drafts)
+        views.q_drafts.copy_(self.P.float().expand(self.GAMMA, n, self.VOCAB))
+        if q_last is not None:  # the last draft's q, for a draft not verified
+            views.q_drafts[-1].copy_(q_last.float().expand(n, self.VOCAB))
+        views.verify_lens.fill_(verify_len)
+        views.u.uniform_(generator=gen)
+        draw_log_exp1_(views.log_e, gen)
+        logits = self.P.float().log().expand(n * (self.GAMMA + 1), self.VOCAB)
+        places = torch.arange(n * (self.GAMMA + 1))  # every place placed
+        accept(
+            views=views,
+            target_logits=logits.contiguous(),
+            mode=mode,
+            query_index=places,
+        )
+        return views.accept_lens.clone(), views.state.last_ids.clone()
+
+    def test_unverified_drafts_end_the_block(self):
+        for verify_len in range(self.GAMMA + 1):
+            for mode in (SamplingMode.GREEDY, SamplingMode.SAMPLED):
+                with self.subTest(verify_len=verify_len, mode=mode):
+                    lens, _ = self._run(verify_len, n=64, mode=mode)
+                    self.assertTrue(bool((lens == verify_len).all()))
+
+    def test_bonus_after_a_full_accept_of_fewer_drafts_follows_p(self):
+        # Two drafts verified and accepted: the bonus follows p. The third
+        # draft's q (never verified) is made far from p: a bonus drawn from
+        # max(p - q, 0) of its row would follow the residual instead.
+        lens, bonus = self._run(2, q_last=self.Q)
+        self.assertTrue(bool((lens == 2).all()))
+        freq = _frequencies(bonus, self.VOCAB)
+        self.assertLess((freq - self.P).abs().max(), _tolerance(N))
+        residual = (self.P - self.Q).clamp_min(0)
+        self.assertGreater((residual / residual.sum() - self.P).abs().max(), 0.1)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -71,6 +71,8 @@ class DSparkStepViews:
     window_block_positions: torch.Tensor  # [B, g]: window positions[:, :g]
     window_block_slots: torch.Tensor  # [B, g]
     window_last_block_position: torch.Tensor  # [B, 1]: positions[:, g - 1]
+    window_anchor_positions: torch.Tensor  # [B]: positions[:, 0]
+    window_anchor_slots: torch.Tensor  # [B]: slots[:, 0]
     block_positions: torch.Tensor  # [B, g]
     block_slots: torch.Tensor  # [B, g]
     block_kv_lens: torch.Tensor  # [B, g]: non-causal, the block's last + 1
@@ -112,7 +114,41 @@ class DSparkStepViews:
     is_sampled: torch.Tensor  # [1, B]: the state's
     greedy_accept_lens: torch.Tensor  # [1, B]: a mixed batch's greedy rows'
     greedy_bonus: torch.Tensor  # [1, B]
-    packed: torch.Tensor  # [B, g + 2]: accept length, drafts, bonus (CUDA)
+    packed: torch.Tensor  # [B, g + 3]: accept length, verify length, drafts,
+    # bonus (read once, on CUDA)
+    # The verify budget (DSparkVerifyPlanner / ScheduleVerifyLensTopk):
+    confidence: torch.Tensor  # [g, B]: q of each draft, the draft's confidence
+    confidence_cells: torch.Tensor  # [g, B, 1]: the same (a gather output)
+    sampled_index: torch.Tensor  # [g, B, 1]: the sampler's drafts (a gather index)
+    slot_index: torch.Tensor  # [g, 1]: 0..g-1
+    bonus_noise_rows: torch.Tensor  # [B, V]: bonus_noise[0]
+    verify_lens: torch.Tensor  # [B] int64: drafts each request verifies
+    verify_lens_row: torch.Tensor  # [1, B]
+    verify_lens_cell: torch.Tensor  # [1, B, 1]
+    verify_mask: torch.Tensor  # [g, B] bool: draft k is verified
+    full_accept: torch.Tensor  # [1, B, 1] bool: every verified draft accepted
+    accept_cell: torch.Tensor  # [1, B, 1]: accept_lens
+    gains: torch.Tensor  # [g, B]: running products of the confidence
+    requests_1: torch.Tensor  # [B] int64: 1..B
+    row_ends: torch.Tensor  # [B] int64 scratch
+    grid_logits: torch.Tensor  # [B * (g + 1), V]: a ragged verify's, placed
+    plain_batch: ForwardBatch  # budget 0: one row per request, the anchors
+    plain_positions: torch.Tensor  # [B]
+    plain_slots: torch.Tensor  # [B]
+
+
+@dataclass(frozen=True)
+class RaggedViews:
+    """A ragged verify of a batch size and budget (T = bs + budget rows)."""
+
+    row_ids: torch.Tensor  # [T]: 0..T-1
+    row_req: torch.Tensor  # [T]: each row's request
+    is_real: torch.Tensor  # [T] bool scratch: the row is a real request's
+    query_index: torch.Tensor  # [T]: each row's place in the window
+    top_values: torch.Tensor  # [budget] scratch of the top-k
+    top_index: torch.Tensor  # [budget]
+    ones: torch.Tensor  # [budget] int64 ones
+    batch: ForwardBatch  # TARGET_VERIFY over the rows
 
 
 def cut(flat: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -131,6 +167,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         mask_token_id: int,
         target_runner: ModelRunner,
         draft_runner: ModelRunner,
+        query_shape: Tuple[int, int] = (1, 1),  # the target's (heads, head_dim)
     ) -> None:
         super().__init__(max_batch_size=max_batch_size)
         self.gamma, self.vocab_size = gamma, vocab_size
@@ -169,7 +206,33 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         self.bonus_row, self.mass = floats(n * V), floats(n)
         self.has_mass = torch.zeros(n, dtype=torch.bool, device=dev)
         self.greedy_accept_lens, self.greedy_bonus = ints(n), ints(n)
-        self.packed = ints(n, g + 2)
+        self.packed = ints(n, g + 3)
+        self.confidence, self.gains = floats(g * n), floats(g * n)
+        self.verify_lens = torch.full((n,), g, dtype=torch.int64, device=dev)
+        self.verify_mask = torch.zeros(g * n, dtype=torch.bool, device=dev)
+        self.full_accept = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.requests_1 = torch.arange(1, n + 1, device=dev)
+        self.row_ends = ints(n)
+        # A ragged verify's rows (at most n * (g + 1)), and its scratch.
+        t = n * (g + 1)
+        self.row_ids = torch.arange(t, device=dev)
+        self.row_req, self.query_index = ints(t), ints(t)
+        self.ragged_ids, self.ragged_positions, self.ragged_slots = (
+            ints(t),
+            ints(t),
+            ints(t),
+        )
+        self.top_values, self.top_index = floats(g * n), ints(g * n)
+        self.ones = torch.ones(g * n, dtype=torch.int64, device=dev)
+        self.slot_index = torch.arange(g, device=dev).unsqueeze(1)  # [g, 1]
+        self.grid_logits = floats(t * V)
+        self.plain_positions, self.plain_slots = ints(n), ints(n)
+        self.query_shape = tuple(query_shape)
+        self._query_grid = floats(t * math.prod(query_shape))  # ragged attention
+        self.is_real = torch.zeros(t, dtype=torch.bool, device=dev)
+        # EP > 1 under a ragged verify: the real requests, and their rows.
+        self.real_requests = torch.zeros((), dtype=torch.int64, device=dev)
+        self.real_rows = torch.zeros((), dtype=torch.int64, device=dev)
         # Filled per step only when EP > 1 reads them; never re-allocated.
         self.verify_scalar = torch.zeros((), dtype=torch.int32, device=dev)
         self.draft_scalar = torch.zeros((), dtype=torch.int32, device=dev)
@@ -254,6 +317,8 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             window_block_positions=positions[:, :g],
             window_block_slots=slots[:, :g],
             window_last_block_position=positions[:, g - 1 : g],
+            window_anchor_positions=positions[:, 0],
+            window_anchor_slots=slots[:, 0],
             block_positions=block_positions,
             block_slots=block_slots,
             block_kv_lens=block_kv_lens,
@@ -296,4 +361,72 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             greedy_accept_lens=self.greedy_accept_lens[:bs].view(1, bs),
             greedy_bonus=self.greedy_bonus[:bs].view(1, bs),
             packed=self.packed[:bs],
+            confidence=cut(self.confidence, g, bs),
+            confidence_cells=cut(self.confidence, g, bs, 1),
+            sampled_index=sampled.unsqueeze(-1),
+            slot_index=self.slot_index,
+            bonus_noise_rows=log_e[g],
+            verify_lens=self.verify_lens[:bs],
+            verify_lens_row=self.verify_lens[:bs].view(1, bs),
+            verify_lens_cell=self.verify_lens[:bs].view(1, bs, 1),
+            verify_mask=cut(self.verify_mask, g, bs),
+            full_accept=self.full_accept[:bs].view(1, bs, 1),
+            accept_cell=accept_lens.view(1, bs, 1),
+            gains=cut(self.gains, g, bs),
+            requests_1=self.requests_1[:bs],
+            row_ends=self.row_ends[:bs],
+            grid_logits=cut(self.grid_logits, bs * (g + 1), V),
+            plain_batch=ForwardBatch(
+                forward_mode=ForwardMode.TARGET_VERIFY,
+                batch_size=bs,
+                tokens_per_req=1,
+                input_ids=state.last_ids,
+                positions=self.plain_positions[:bs],
+                out_cache_loc=self.plain_slots[:bs],
+                req_pool_indices=state.req_pool_indices,
+                kv_lens=state.seq_lens,  # the anchor at seq_len - 1
+                num_token_non_padded_cpu=bs,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                req_to_token_pool=self.target_runner.req_to_token_pool,
+                token_to_kv_pool=self.target_runner.token_to_kv_pool,
+            ),
+            plain_positions=self.plain_positions[:bs],
+            plain_slots=self.plain_slots[:bs],
+        )
+
+    def query_grid(self, bs: int) -> torch.Tensor:
+        """[bs * (g + 1), heads, head_dim]: a ragged verify's query places."""
+        return cut(self._query_grid, bs * (self.gamma + 1), *self.query_shape)
+
+    def ragged(self, bs: int, budget: int) -> RaggedViews:
+        """A ragged verify of ``bs`` requests and ``budget`` drafts: its rows'
+        buffers and its batch (the rows' places filled per step)."""
+        return self.cached(("ragged", bs, budget), lambda: self._cut_ragged(bs, budget))
+
+    def _cut_ragged(self, bs: int, budget: int) -> RaggedViews:
+        v, t = self.at(bs), bs + budget
+        query_index = self.query_index[:t]
+        return RaggedViews(
+            row_ids=self.row_ids[:t],
+            row_req=self.row_req[:t],
+            is_real=self.is_real[:t],
+            query_index=query_index,
+            top_values=self.top_values[:budget],
+            top_index=self.top_index[:budget],
+            ones=self.ones[:budget],
+            batch=ForwardBatch(
+                forward_mode=ForwardMode.TARGET_VERIFY,
+                batch_size=bs,
+                tokens_per_req=self.gamma + 1,
+                input_ids=self.ragged_ids[:t],
+                positions=self.ragged_positions[:t],
+                out_cache_loc=self.ragged_slots[:t],
+                req_pool_indices=v.state.req_pool_indices,
+                kv_lens=v.verify_batch.kv_lens,  # every place of the window
+                num_token_non_padded_cpu=t,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                req_to_token_pool=self.target_runner.req_to_token_pool,
+                token_to_kv_pool=self.target_runner.token_to_kv_pool,
+                query_index=query_index,
+            ),
         )

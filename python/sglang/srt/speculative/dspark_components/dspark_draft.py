@@ -98,10 +98,19 @@ class DraftBlockProposer:
         draft_batch.num_token_non_padded_cpu = num_tokens
 
     @torch.no_grad()  # the Markov head's out= ops read trainable weights
-    def propose(self, *, views: "DSparkStepViews", mode: SamplingMode) -> DraftProposal:
+    def propose(
+        self,
+        *,
+        views: "DSparkStepViews",
+        mode: SamplingMode,
+        confidence: bool = False,
+    ) -> DraftProposal:
         """The block of every request in ``views``: the window, the batch
         state and the step's attention metadata (the verify batch's, from
-        which the block derives its own) are filled."""
+        which the block derives its own) are filled. With ``confidence``,
+        also each draft's probability under the draft's own distribution
+        (q(d), T = 1 for greedy rows), into ``views.confidence``: what the
+        verify budget is planned by."""
         v, state, gamma = views, views.state, self.gamma
         v.block_anchors.copy_(state.last_ids)  # the anchor is the last bonus token
         v.block_positions.copy_(v.window_block_positions)
@@ -119,9 +128,8 @@ class DraftBlockProposer:
         if sampled:
             # argmax(logits / T + G) == argmax(logits - T log E): T = 0 rows
             # (a mixed batch's greedy ones) keep their plain logits.
-            base_by_slot = base.transpose(0, 1)  # [gamma, bs, V]
             torch.addcmul(
-                base_by_slot, v.block_noise, state.neg_temperatures, out=v.noisy
+                base.transpose(0, 1), v.block_noise, state.neg_temperatures, out=v.noisy
             )
             sources = v.noisy_slots
         else:
@@ -146,14 +154,19 @@ class DraftBlockProposer:
             torch.argmax(v.scratch, dim=-1, out=tokens)
             prev = tokens
         v.drafts_by_slot.copy_(v.sampled)  # into the verify ids
-        if not sampled:
+        if not (sampled or confidence):
             return DraftProposal(
                 draft_tokens=v.drafts, draft_probs=None, block_ids=v.block_ids
             )
         # q = softmax(corrected / T) per slot (greedy rows: T taken as 1).
-        torch.add(base_by_slot, v.corrections, out=v.corrected)
-        torch.mul(v.corrected, state.inv_temperatures, out=v.scaled)
-        torch._softmax(v.scaled, -1, False, out=v.q_drafts)
+        torch.add(base.transpose(0, 1), v.corrections, out=v.corrected)
+        if sampled:
+            torch.mul(v.corrected, state.inv_temperatures, out=v.scaled)
+        torch._softmax(v.scaled if sampled else v.corrected, -1, False, out=v.q_drafts)
+        if confidence:
+            torch.gather(v.q_drafts, 2, v.sampled_index, out=v.confidence_cells)
         return DraftProposal(
-            draft_tokens=v.drafts, draft_probs=v.q_drafts, block_ids=v.block_ids
+            draft_tokens=v.drafts,
+            draft_probs=v.q_drafts if sampled else None,
+            block_ids=v.block_ids,
         )

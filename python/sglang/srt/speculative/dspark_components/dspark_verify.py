@@ -9,7 +9,11 @@ Each rule is written once, into the step buffers (``DSparkStepViews``,
 slot-major: ``[slot, request, vocab]``), with no host read. A rule leaves
 the accept lengths and the bonus in the tensors it is given; ``accept``
 picks the rule once per batch, and for a mixed batch runs both and keeps
-each row's.
+each row's. After a ragged verify (each request verified its first
+``verify_lens`` drafts), an unverified draft ends the block as a rejection
+would, but the bonus after it follows p alone (q is 0 where nothing was
+proposed), as after a full accept. A step that verifies no draft (budget
+0) samples the anchor's next token: a plain decode step's rule.
 
 - greedy: a = the length of the leading run of d_j == argmax(target row
   j - 1); bonus = argmax(target row a);
@@ -19,9 +23,11 @@ each row's.
   Exactly lossless: the output follows p.
 """
 
+from typing import Optional
+
 import torch
 
-from sglang.srt.layers.sampler import SamplingMode
+from sglang.srt.layers.sampler import SamplingMode, gumbel_argmax
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepViews
 
 
@@ -43,10 +49,13 @@ def greedy_accept(
     target_logits: torch.Tensor,  # [bs * (g + 1), V]
     accept_lens: torch.Tensor,  # [1, bs] int64, out
     bonus: torch.Tensor,  # [1, bs] int64, out
+    ragged: bool = False,  # only drafts under views.verify_mask were verified
 ) -> None:
     v = views
     torch.argmax(_by_slot(target_logits, v), dim=-1, out=v.target_ids)
     torch.eq(v.drafts_by_slot, v.target_drafts, out=v.matched_drafts)
+    if ragged:
+        v.matched_drafts.mul_(v.verify_mask)
     _first_rejection(v, accept_lens)
     torch.gather(v.target_ids, 0, accept_lens, out=bonus)
 
@@ -57,6 +66,7 @@ def rejection_accept(
     target_logits: torch.Tensor,  # [bs * (g + 1), V]
     accept_lens: torch.Tensor,  # [1, bs] int64, out: views.accept_row
     bonus: torch.Tensor,  # [1, bs] int64, out
+    ragged: bool = False,  # only drafts under views.verify_mask were verified
 ) -> None:
     """Reads q (``views.q``), the draws ``views.u`` and the bonus noise."""
     v, state = views, views.state
@@ -67,11 +77,16 @@ def rejection_accept(
     torch.gather(v.p_drafts, 2, v.draft_index, out=v.p_tok)
     u = v.u.mul_(v.q_tok_flat)  # u * q(d_j), in place of the draws
     torch.lt(u, v.p_tok_flat, out=v.matched_drafts)
+    if ragged:
+        v.matched_drafts.mul_(v.verify_mask)
     _first_rejection(v, accept_lens)
     # The bonus row: max(p - q, 0) at the first rejection; after a full
     # accept q's row is 0, so it is p of the last row.
     torch.gather(v.p, 0, v.accept_rows, out=v.p_row)  # [1, bs, V]
     torch.gather(v.q, 0, v.accept_rows, out=v.q_row)
+    if ragged:  # every verified draft accepted: nothing past them was proposed
+        torch.ge(v.accept_cell, v.verify_lens_cell, out=v.full_accept)
+        v.q_row.masked_fill_(v.full_accept, 0.0)
     row = torch.sub(v.p_row, v.q_row, out=v.bonus_row).clamp_min_(0)
     # p == q leaves no mass: rejection cannot happen there; keep p.
     torch.sum(row, -1, keepdim=True, out=v.mass)
@@ -83,29 +98,46 @@ def rejection_accept(
     torch.argmax(row, dim=-1, out=bonus)
 
 
+def sample_anchor(
+    *, views: DSparkStepViews, logits: torch.Tensor, mode: SamplingMode
+) -> None:
+    """A step that verified no draft (budget 0): the anchor's next token by
+    plain decoding's rule, into the batch state's ``last_ids``."""
+    v, state = views, views.state
+    if mode is SamplingMode.GREEDY:
+        torch.argmax(logits, dim=-1, out=state.last_ids)
+    else:
+        gumbel_argmax(
+            scores=logits,
+            log_e=v.bonus_noise_rows,
+            neg_temperatures=state.neg_temperatures,
+            out=state.last_ids,
+            scratch=v.scratch,
+        )
+    v.accept_lens.zero_()
+
+
 def accept(
-    *, views: DSparkStepViews, target_logits: torch.Tensor, mode: SamplingMode
+    *,
+    views: DSparkStepViews,
+    target_logits: torch.Tensor,  # [rows run, V]
+    mode: SamplingMode,
+    query_index: Optional[torch.Tensor] = None,  # a ragged verify's places
 ) -> None:
     """Accept lengths into ``views.accept_lens``, the bonus into the batch
-    state's ``last_ids``, by the batch's rule (chosen once, by ``mode``)."""
-    v = views
+    state's ``last_ids``, by the batch's rule (chosen once, by ``mode``).
+    After a ragged verify its rows' logits are placed in the window first,
+    and the drafts it did not verify end each block."""
+    v, ragged = views, query_index is not None
+    if ragged:
+        target_logits = v.grid_logits.index_copy_(0, query_index, target_logits)
+        torch.lt(v.slot_index, v.verify_lens_row, out=v.verify_mask)
+    rule = dict(views=v, target_logits=target_logits, ragged=ragged)
     if mode is SamplingMode.GREEDY:
-        greedy_accept(
-            views=v,
-            target_logits=target_logits,
-            accept_lens=v.accept_row,
-            bonus=v.bonus,
-        )
+        greedy_accept(accept_lens=v.accept_row, bonus=v.bonus, **rule)
         return
-    rejection_accept(
-        views=v, target_logits=target_logits, accept_lens=v.accept_row, bonus=v.bonus
-    )
+    rejection_accept(accept_lens=v.accept_row, bonus=v.bonus, **rule)
     if mode is SamplingMode.MIXED:  # greedy rows take the greedy rule's result
-        greedy_accept(
-            views=v,
-            target_logits=target_logits,
-            accept_lens=v.greedy_accept_lens,
-            bonus=v.greedy_bonus,
-        )
+        greedy_accept(accept_lens=v.greedy_accept_lens, bonus=v.greedy_bonus, **rule)
         torch.where(v.is_sampled, v.accept_row, v.greedy_accept_lens, out=v.accept_row)
         torch.where(v.is_sampled, v.bonus, v.greedy_bonus, out=v.bonus)

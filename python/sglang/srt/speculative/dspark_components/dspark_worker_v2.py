@@ -3,11 +3,15 @@
 A decode step is five phases, in order, each one call:
 
 1. draft: bind the batch to the step buffers (once per batch), pad it to
-   its bucket, draw the step's noise; then fill the verify window, build
-   the step's attention metadata (once, for all three forwards), and
-   propose the block (``DraftBlockProposer``: its inputs, the draft
-   forward, the Markov head's left-to-right sampling);
-2. verify: the target forward over ``[bonus, d_1..d_gamma]``;
+   its bucket, plan the verify budget, draw the step's noise; then fill the
+   verify window, build the step's attention metadata (once, for all
+   three forwards), and propose the block (``DraftBlockProposer``: its
+   inputs, the draft forward, the Markov head's left-to-right sampling);
+   under a budget, share it among the requests by the drafts' confidence
+   and lay out the rows to verify;
+2. verify: the target forward over ``[bonus, d_1..d_gamma]``, or, under a
+   budget, over each request's bonus and first ``verify_lens`` drafts
+   (a ragged verify); budget 0 is a plain decode step (no draft forward);
 3. accept: greedy or rejection sampling, chosen once per batch
    (``dspark_verify.accept``): accept lengths, and the bonus straight into
    the batch's ``last_ids``;
@@ -26,26 +30,47 @@ in a named span of ``self.spans``: benches and profilers observe the step
 through it.
 """
 
-from typing import List, Optional
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import List, Optional, Tuple, Union
 
 import torch
 
+from sglang.srt.distributed.parallel_state import all_gather_int, get_moe_ep_cpu_group
 from sglang.srt.layers.sampler import SamplingMode, draw_log_exp1_
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, StepOutput
 from sglang.srt.managers.tp_worker import TpModelWorker
-from sglang.srt.model_executor.forward_batch_info import target_num_token_non_padded
+from sglang.srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    target_num_token_non_padded,
+)
 from sglang.srt.model_executor.graph_runner import GraphRunner
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.dspark import DSparkDraftModel
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative.dspark_components.dspark_buffers import (
     DSparkStepBuffers,
     DSparkStepViews,
 )
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
+from sglang.srt.speculative.dspark_components.dspark_cost_table import (
+    MEASURED,
+    VerifyCostTable,
+    measure_cost_table,
+)
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
-from sglang.srt.speculative.dspark_components.dspark_planner import VerifyWindowPlanner
-from sglang.srt.speculative.dspark_components.dspark_verify import accept
+from sglang.srt.speculative.dspark_components.dspark_planner import (
+    DSparkVerifyPlanner,
+    ScheduleVerifyLensTopk,
+    VerifyWindowPlanner,
+    ragged_verify_layout,
+)
+from sglang.srt.speculative.dspark_components.dspark_verify import accept, sample_anchor
 from sglang.srt.utils.phases import PhaseSpans
+
+logger = logging.getLogger(__name__)
 
 
 class DSparkWorker:
@@ -69,6 +94,8 @@ class DSparkWorker:
         max_batch_size: int,
         bucket_sizes: Optional[List[int]] = None,
         use_cuda_graph: bool = False,
+        verify_budget: Union[str, int] = "off",
+        cost_table_path: Optional[str] = None,
     ) -> None:
         self.target_worker = target_worker
         self.target_runner = target_worker.model_runner
@@ -79,6 +106,7 @@ class DSparkWorker:
         self.device = target_worker.device
         self.generator = target_worker.generator
         self.max_batch_size = max_batch_size
+        self.verify_budget = verify_budget  # "auto", "off" or drafts per step
         self.spans = PhaseSpans()
         target_worker.model.set_layers_to_capture(config.target_layer_ids)
         self.buffers = DSparkStepBuffers(
@@ -89,6 +117,10 @@ class DSparkWorker:
             mask_token_id=config.mask_token_id,
             target_runner=self.target_runner,
             draft_runner=draft_runner,
+            query_shape=(
+                target_worker.model.config.num_heads,
+                target_worker.model.config.head_dim,
+            ),
         )
         self.window_planner = VerifyWindowPlanner(
             req_to_token=self.target_runner.req_to_token_pool.req_to_token,
@@ -102,11 +134,14 @@ class DSparkWorker:
             device=self.device,
             spans=self.spans,
         )
-        # On a GPU the output phase reads one packed buffer into pinned host
-        # memory; on the CPU it reads the buffers in place.
+        # On a GPU the output phase reads one packed buffer (and the drafts'
+        # confidence) into pinned host memory; on the CPU it reads in place.
         self._host = None
         if torch.device(self.device).type == "cuda":
             self._host = torch.zeros(self.buffers.packed.shape).long().pin_memory()
+            self._host_confidence = torch.zeros(
+                self.buffers.confidence.shape
+            ).pin_memory()
         self._rows: Optional[int] = None  # the size the last step ran at
         self.graph_runner = GraphRunner(
             step=self._device_step,
@@ -116,7 +151,117 @@ class DSparkWorker:
         )
         for rows in self.graph_runner.buckets if use_cuda_graph else ():
             self.buffers.at(rows)  # views before capture, outside it
-        self.graph_runner.capture(list(SamplingMode))
+        self.graph_runner.capture(self._variants)
+        # The target hidden states of steps that drafted nothing (budget 0), by
+        # KV slot: their draft context is written when drafting resumes, so
+        # that a plain step costs what plain decoding does.
+        self.context_stash: Optional[torch.Tensor] = None
+        if verify_budget != "off":
+            target_config = target_worker.model.config
+            self.context_stash = torch.zeros(
+                draft_runner.token_to_kv_pool.k.shape[1],  # slots, scratch included
+                len(config.target_layer_ids) * target_config.hidden_size,
+                device=self.device,
+            )
+        self.planner: Optional[DSparkVerifyPlanner] = None
+        if verify_budget == "auto":
+            self.planner = DSparkVerifyPlanner(
+                gamma=self.gamma, cost_table=self._cost_table(cost_table_path)
+            )
+
+    def _variants(self, rows: int) -> List[Tuple[SamplingMode, int, bool]]:
+        """Every (sampling mode, budget, with confidence) a step of ``rows``
+        rows may run: its CUDA graphs. A ragged verify always reports
+        confidence (it shares the budget by it); a full one when the planner
+        asks; a plain step drafts nothing."""
+        variants = []
+        for budget in self._budgets(rows):
+            if budget == 0:
+                kinds = (False,)
+            elif budget < rows * self.gamma:
+                kinds = (True,)
+            else:
+                kinds = (False, True) if self.verify_budget == "auto" else (False,)
+            variants += [(m, budget, c) for m in SamplingMode for c in kinds]
+        return variants
+
+    def _budgets(self, rows: int) -> List[int]:
+        """The verify budgets a step of ``rows`` rows may run (its graphs)."""
+        full = rows * self.gamma
+        if self.verify_budget == "off":
+            return [full]
+        if self.verify_budget == "auto":
+            return [rows * per_req for per_req in range(self.gamma + 1)]
+        return [min(self.verify_budget, full)]
+
+    def _cost_table(self, path: Optional[str]) -> VerifyCostTable:
+        """The measured cost table: read from ``path`` when it exists, else
+        measured here (and saved to ``path`` when given); logged."""
+        if path is not None and os.path.exists(path):
+            table = VerifyCostTable.load(path)
+            if table.gamma != self.gamma:
+                raise ValueError(
+                    f"cost table {path!r} is for gamma {table.gamma}, not {self.gamma}"
+                )
+        else:
+            table = self._measure_cost_table()
+            if path is not None:
+                table.save(path)
+        logger.info("%s", table.format())
+        return table
+
+    def _measure_cost_table(self) -> VerifyCostTable:
+        """Time this worker's device step over dummy requests (a context of
+        up to 128 keys, all in the scratch slot) per batch size and budget.
+        Each request's anchor is a different token, so that the rows take
+        the experts a real batch does, not all the same two."""
+        state, width = self.buffers.state, self.window_planner.req_to_token.shape[1]
+        context = max(1, min(128, width - self.gamma - 1))
+        sizes = sorted({min(2**i, self.max_batch_size) for i in range(12)})
+        cuda = torch.device(self.device).type == "cuda"
+        anchors = torch.randint(
+            self.config.vocab_size,
+            state.last_ids.shape,
+            generator=torch.Generator().manual_seed(0),
+        ).to(self.device)
+
+        def run_step(bs: int, budget: int) -> None:
+            state.reset()
+            state.seq_lens.fill_(context)
+            state.last_ids.copy_(anchors)
+            rows = self.graph_runner.padded_size(bs)
+            if rows != self._rows:
+                self.buffers.set_constants(rows)
+                self._rows = rows
+            budget = budget * rows // bs
+            self.graph_runner.run(
+                rows=rows,
+                variant=(SamplingMode.GREEDY, budget, 0 < budget < rows * self.gamma),
+                max_kv_len=context + self.gamma,
+            )
+
+        key = (
+            self.config,
+            torch.device(self.device).type,
+            torch.get_num_threads(),
+            tuple(self.graph_runner.buckets),
+            self.graph_runner.use_cuda_graph,
+            tuple(sizes),
+            repr(self.target_worker.model.config),
+            repr(self.draft_model.config),
+        )
+        table = MEASURED.get(key)
+        if table is None:
+            with torch.no_grad():
+                table = measure_cost_table(
+                    run_step=run_step,
+                    batch_sizes=sizes,
+                    gamma=self.gamma,
+                    sync=torch.cuda.synchronize if cuda else (lambda: None),
+                )
+            state.reset()
+            MEASURED[key] = table
+        return table
 
     def prefill(self, *, req: Req) -> int:
         first, out, forward_batch = self.target_worker.forward_prefill(
@@ -132,23 +277,58 @@ class DSparkWorker:
         return first
 
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
+        start = time.perf_counter()
         bs, mode = batch.batch_size, batch.sampling_mode
         if bs > self.max_batch_size:
             raise ValueError(
                 f"batch of {bs} exceeds max_batch_size={self.max_batch_size}"
             )
         with self.spans("draft"):
-            rows = self._prepare(batch, mode)
+            rows, budget = self._prepare(batch, mode)
         # The verify's longest kv_len: the longest sequence + gamma.
         max_kv_len = max(batch.seq_lens_cpu) + self.gamma
-        self.graph_runner.run(rows=rows, variant=mode, max_kv_len=max_kv_len)
+        # Confidence for the planner's next plan, and for a ragged verify's
+        # schedule.
+        observed = self.planner is not None and self.planner.wants_confidence
+        confident = budget > 0 and (observed or budget < rows * self.gamma)
+        self.graph_runner.run(
+            rows=rows, variant=(mode, budget, confident), max_kv_len=max_kv_len
+        )
         with self.spans("output"):
-            return self._output(batch)
+            out = self._output(batch, rows, budget, budget > 0 and observed)
+        if self.planner is not None:  # what the step cost, as planned
+            real = budget * bs // rows
+            seconds = time.perf_counter() - start
+            self.planner.observe_cost(bs=bs, budget=real, seconds=seconds)
+        return out
 
-    def _prepare(self, batch: ScheduleBatch, mode: SamplingMode) -> int:
+    def _plan(self, batch: ScheduleBatch, rows: int) -> int:
+        """This step's verify budget: drafts to verify over ``rows`` rows."""
+        planner, bs = self.planner, batch.batch_size
+        if planner is None:
+            return self._budgets(rows)[0]
+        budget = planner.held(bs)
+        if budget is None:
+            budget = planner.plan(
+                confidence=[r.spec_draft_confidence for r in batch.reqs],
+                sampled=[r.sampling_params.temperature > 0 for r in batch.reqs],
+            )
+            if get_parallel().moe_ep_group is not None:
+                # Every EP rank runs the same steps (their MoE all-reduces
+                # pair up): the largest of their plans, held by all.
+                budget = max(
+                    all_gather_int(
+                        value=budget, group=get_moe_ep_cpu_group(), what="verify budget"
+                    )
+                )
+                planner.hold(budget)
+        return budget // bs * rows  # drafts per request, over the padded rows
+
+    def _prepare(self, batch: ScheduleBatch, mode: SamplingMode) -> Tuple[int, int]:
         """Host-side work before the device step: bind and pad the batch,
-        set the scalars' counts, draw the noise. Returns the rows to run."""
-        bs, buffers = batch.batch_size, self.buffers
+        plan the budget, set the scalars' counts, draw the noise. Returns
+        the rows to run and the budget (drafts to verify over them)."""
+        bs, buffers, g = batch.batch_size, self.buffers, self.gamma
         buffers.state.bind(batch, buffers.at(bs).state)
         rows = self.graph_runner.padded_size(bs)
         if rows > bs:
@@ -156,38 +336,98 @@ class DSparkWorker:
         if rows != self._rows:
             buffers.set_constants(rows)
             self._rows = rows
+        budget = self._plan(batch, rows)
         v = buffers.at(rows)
-        num_tokens = bs * (self.gamma + 1)  # the verify's real rows
-        v.verify_batch.num_token_non_padded = target_num_token_non_padded(
+        verify = self._verify_batch(v, rows, budget)
+        # The verify's real rows: each request's anchor and the drafts it
+        # verifies (request-major: the padded requests' rows come last).
+        if budget == rows * g:
+            num_tokens = bs * (g + 1)
+        else:
+            num_tokens = bs + budget * bs // rows
+        verify.num_token_non_padded = target_num_token_non_padded(
             num_tokens, buffers.verify_scalar, self.device
         )
-        v.verify_batch.num_token_non_padded_cpu = num_tokens
-        self.proposer.prepare(views=v, batch=batch, scalar=buffers.draft_scalar)
+        verify.num_token_non_padded_cpu = num_tokens
+        if verify.num_token_non_padded is not None and 0 < budget < rows * g:
+            buffers.real_requests.fill_(bs)  # the device counts the real rows
+        if budget > 0:
+            self._write_stashed_context(batch)
+            self.proposer.prepare(views=v, batch=batch, scalar=buffers.draft_scalar)
         if mode is not SamplingMode.GREEDY:
-            draw_log_exp1_(v.log_e, self.generator)
-            v.u.uniform_(generator=self.generator)
-        return rows
+            if budget == 0:  # the bonus alone
+                draw_log_exp1_(v.bonus_noise_rows, self.generator)
+            else:
+                draw_log_exp1_(v.log_e, self.generator)
+                v.u.uniform_(generator=self.generator)
+        return rows, budget
+
+    def _write_stashed_context(self, batch: ScheduleBatch) -> None:
+        """Before drafting: the draft context of positions that plain steps
+        committed (stashed target hidden states) into the draft's KV."""
+        slots, positions = [], []
+        for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu):
+            if req.draft_context_from is not None:
+                # The anchor (seq_len - 1) enters this step's verify.
+                span = range(req.draft_context_from, seq_len - 1)
+                slots += [req.kv_slots[p] for p in span]
+                positions += span
+                req.draft_context_from = None
+        if not slots:
+            return
+        with self.spans("context write"):
+            slots_t = torch.tensor(slots, device=self.device)
+            self.draft_model.write_context(
+                aux_hidden_states=self.context_stash.index_select(0, slots_t),
+                positions=torch.tensor(positions, device=self.device),
+                out_cache_loc=slots_t,
+                kv_pool=self.draft_runner.token_to_kv_pool,
+            )
+
+    def _verify_batch(self, v: DSparkStepViews, rows: int, budget: int) -> ForwardBatch:
+        """The target batch a step of this budget runs."""
+        if budget == 0:
+            return v.plain_batch
+        if budget == rows * self.gamma:
+            return v.verify_batch
+        return self.buffers.ragged(rows, budget).batch
 
     def _device_step(
-        self, rows: int, mode: SamplingMode, max_kv_len: Optional[int]
+        self, rows: int, variant: Tuple[SamplingMode, int], max_kv_len: Optional[int]
     ) -> None:
         """Draft -> verify -> accept -> commit over the first ``rows`` rows of
         the step buffers: device work only (graph-safe, compilable)."""
+        mode, budget, confident = variant
         v = self.buffers.at(rows)
-        v.verify_batch.max_kv_len = max_kv_len
+        verify = self._verify_batch(v, rows, budget)
+        ragged = 0 < budget < rows * self.gamma
         with self.spans("draft"):
-            self._fill_inputs(v)
-            self.proposer.propose(views=v, mode=mode)
+            self._fill_window(v, max_kv_len, plain=budget == 0)
+            if budget > 0:
+                self.proposer.propose(views=v, mode=mode, confidence=confident)
+            if ragged:
+                self._lay_out_ragged(v, rows, budget)
         with self.spans("verify"), self.spans("verify forward"):
-            out = self.target_runner.forward(v.verify_batch)
+            out = self.target_runner.forward(verify)
         with self.spans("accept"):
-            accept(views=v, target_logits=out.logits, mode=mode)
+            if budget == 0:
+                sample_anchor(views=v, logits=out.logits, mode=mode)
+            else:
+                accept(
+                    views=v,
+                    target_logits=out.logits,
+                    mode=mode,
+                    query_index=verify.query_index,
+                )
         with self.spans("commit"):
-            self._commit(v, out.aux_hidden_states)
+            self._commit(v, verify, out.aux_hidden_states, drafted=budget > 0)
 
-    def _fill_inputs(self, v: DSparkStepViews) -> None:
+    def _fill_window(
+        self, v: DSparkStepViews, max_kv_len: Optional[int], *, plain: bool
+    ) -> None:
         """The window, the verify batch's first column and kv_lens (the
-        drafts land in its other columns), and the step's attention metadata."""
+        drafts land in its other columns), and the step's attention metadata
+        (for a plain step: its own batch's, one row per request)."""
         state = v.state
         self.window_planner.plan(
             seq_lens=v.seq_len_col,
@@ -197,51 +437,141 @@ class DSparkWorker:
             flat_table_index=v.flat_table_index,
             flat_slots=v.verify_batch.out_cache_loc,
         )
+        target = self.target_worker.model
+        if plain:  # the anchors alone: the window's first column
+            v.plain_positions.copy_(v.window_anchor_positions)
+            v.plain_slots.copy_(v.window_anchor_slots)
+            batch = v.plain_batch
+            batch.max_kv_len = None if max_kv_len is None else max_kv_len - self.gamma
+            with self.spans("attention metadata"):
+                batch.attn_metadata = target.init_forward_metadata(batch)
+            return
         v.verify_anchors.copy_(state.last_ids)
         torch.add(v.window.positions, 1, out=v.verify_kv_lens)  # causal
+        v.verify_batch.max_kv_len = max_kv_len
         with self.spans("attention metadata"):
             # Built once, read by the draft block (its slots and mask, up to
             # the block's bound), the verify and the context write.
-            v.verify_batch.attn_metadata = (
-                self.target_worker.model.init_forward_metadata(v.verify_batch)
-            )
+            v.verify_batch.attn_metadata = target.init_forward_metadata(v.verify_batch)
 
-    def _commit(self, v: DSparkStepViews, aux_hidden_states: torch.Tensor) -> None:
+    def _lay_out_ragged(self, v: DSparkStepViews, rows: int, budget: int) -> None:
+        """Share the budget among the requests by confidence, place the rows
+        to verify, and give their batch the window's metadata cut to them."""
+        r, buffers = self.buffers.ragged(rows, budget), self.buffers
+        ScheduleVerifyLensTopk.execute(
+            confidence=v.confidence,
+            budget=budget,
+            verify_lens=v.verify_lens,
+            gains=v.gains,
+            top_values=r.top_values,
+            top_index=r.top_index,
+            ones=r.ones,
+        )
+        ragged_verify_layout(
+            verify_lens=v.verify_lens,
+            width=self.gamma + 1,
+            row_ids=r.row_ids,
+            requests_1=v.requests_1,
+            row_ends=v.row_ends,
+            row_req=r.row_req,
+            query_index=r.query_index,
+        )
+        batch, window = r.batch, v.verify_batch
+        torch.index_select(window.input_ids, 0, r.query_index, out=batch.input_ids)
+        torch.index_select(window.positions, 0, r.query_index, out=batch.positions)
+        torch.index_select(
+            window.out_cache_loc, 0, r.query_index, out=batch.out_cache_loc
+        )
+        with self.spans("attention metadata"):
+            full = window.attn_metadata
+            batch.attn_metadata = replace(
+                full,
+                cos=full.cos.index_select(0, r.query_index),
+                sin=full.sin.index_select(0, r.query_index),
+                query_index=r.query_index,
+                query_grid=buffers.query_grid(rows),
+            )
+        if batch.num_token_non_padded is not None:
+            # The real requests' rows (a padded request's come after them):
+            # counted here, for a graph serves every batch size of its bucket.
+            torch.lt(r.row_req, buffers.real_requests, out=r.is_real)
+            torch.sum(r.is_real, 0, out=buffers.real_rows)
+            batch.num_token_non_padded.copy_(buffers.real_rows)
+
+    def _commit(
+        self,
+        v: DSparkStepViews,
+        verify: ForwardBatch,
+        aux_hidden_states: torch.Tensor,
+        *,
+        drafted: bool,
+    ) -> None:
         state = v.state
         state.seq_lens.add_(v.accept_lens).add_(1)  # committed = accepted + 1
-        with self.spans("context write"):
-            # Every window row: rows past the accepted ones are overwritten
-            # next step.
-            self.draft_model.write_context(
-                aux_hidden_states=aux_hidden_states,
-                positions=v.verify_batch.positions,
-                out_cache_loc=v.verify_batch.out_cache_loc,
-                kv_pool=self.draft_runner.token_to_kv_pool,
-                metadata=v.verify_batch.attn_metadata,
-            )
+        if not drafted:  # a plain step: its context waits for the next draft
+            self.context_stash.index_copy_(0, verify.out_cache_loc, aux_hidden_states)
+        else:
+            with self.spans("context write"):
+                # Every verified row: rows past the accepted ones are
+                # overwritten next step.
+                self.draft_model.write_context(
+                    aux_hidden_states=aux_hidden_states,
+                    positions=verify.positions,
+                    out_cache_loc=verify.out_cache_loc,
+                    kv_pool=self.draft_runner.token_to_kv_pool,
+                    metadata=verify.attn_metadata,
+                )
         if self._host is not None:  # one buffer for the output phase's read
             v.packed[:, 0].copy_(v.accept_lens)
-            v.packed[:, 1:-1].copy_(v.drafts)
+            v.packed[:, 1].copy_(v.verify_lens)
+            v.packed[:, 2:-1].copy_(v.drafts)
             v.packed[:, -1].copy_(state.last_ids)
 
-    def _output(self, batch: ScheduleBatch) -> StepOutput:
-        """The step's one host read; the host's sequence lengths advance."""
-        bs = batch.batch_size
-        v = self.buffers.at(bs)
+    def _output(
+        self, batch: ScheduleBatch, rows: int, budget: int, observed: bool
+    ) -> StepOutput:
+        """The step's one host read; the host's sequence lengths advance, and
+        on an observed step the planner learns from what was accepted."""
+        bs, g, drafted = batch.batch_size, self.gamma, observed
+        # The request-major buffers' first bs rows are the same at any size;
+        # the confidence is slot-major, read at the size the step ran.
+        v, ran = self.buffers.at(bs), self.buffers.at(rows)
         if self._host is None:
             accept_lens, drafts = v.accept_lens.tolist(), v.drafts.tolist()
-            bonus = v.state.last_ids.tolist()
+            bonus, verify_lens = v.state.last_ids.tolist(), v.verify_lens
+            confidence = ran.confidence.t().tolist() if drafted else None
         else:
             host = self._host[:bs]
             host.copy_(v.packed, non_blocking=True)
+            if drafted:
+                conf_host = self._host_confidence[: g * rows].view(g, rows)
+                conf_host.copy_(ran.confidence, non_blocking=True)
             torch.cuda.current_stream().synchronize()
-            rows = host.tolist()
-            accept_lens = [r[0] for r in rows]
-            drafts, bonus = [r[1:-1] for r in rows], [r[-1] for r in rows]
+            packed = host.tolist()
+            accept_lens, verify_lens = [r[0] for r in packed], host[:, 1]
+            drafts, bonus = [r[2:-1] for r in packed], [r[-1] for r in packed]
+            confidence = conf_host.t().tolist() if drafted else None
+        if budget == 0 or budget == rows * g:  # known here: no read needed
+            verify_lens = [budget // rows] * bs
+        else:
+            verify_lens = verify_lens.tolist()
         seq_lens = batch.seq_lens_cpu
-        for i, a in enumerate(accept_lens):
+        for i, (req, a) in enumerate(zip(batch.reqs, accept_lens)):
+            if budget == 0 and req.draft_context_from is None:
+                req.draft_context_from = seq_lens[i] - 1  # this step's anchor
             seq_lens[i] += a + 1
+        if drafted:  # confidence: [rows][g], the real requests first
+            confidence = confidence[:bs]
+            self.planner.observe(
+                confidence=confidence,
+                sampled=[r.sampling_params.temperature > 0 for r in batch.reqs],
+                accept_lens=accept_lens,
+                verify_lens=verify_lens,
+            )
+            for req, row in zip(batch.reqs, confidence):
+                req.spec_draft_confidence = row
         return StepOutput(
             output_ids=[d[:a] + [b] for d, a, b in zip(drafts, accept_lens, bonus)],
             accepted_drafts=accept_lens,
+            verified_drafts=verify_lens,
         )

@@ -1,0 +1,351 @@
+"""The verify budget: the host planner (calibrated confidence, a measured
+cost table, the tier that maximises expected tokens per second), the
+device schedule (ScheduleVerifyLensTopk) and the ragged verify it lays
+out; budget 0 is a plain decode step, and every budget keeps greedy
+output equal to plain decoding."""
+
+import itertools
+import os
+import tempfile
+import unittest
+
+import torch
+
+from sglang import Engine
+from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.speculative.dspark_components.dspark_cost_table import (
+    VerifyCostTable,
+    measure_cost_table,
+)
+from sglang.srt.speculative.dspark_components.dspark_planner import (
+    DSparkScheduleConfig,
+    DSparkVerifyPlanner,
+    ScheduleVerifyLensTopk,
+    ragged_verify_layout,
+)
+from sglang.srt.utils.op_counter import OpCounter
+from sglang.srt.utils.phases import PhaseRecorder
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=30, suite="base-a-test-cpu")
+
+PROMPTS = [list(b"import os\n"), list(b"def main(argv):\n"), list(b"x = [1, 2, 3]\n")]
+
+
+def _table(plain=1.0, per_draft=0.1, gamma=2, sizes=(1, 2, 4)):
+    """Seconds: a plain step, plus per_draft per drafted token verified."""
+    rows = tuple(
+        tuple(plain * bs + per_draft * bs * L for L in range(gamma + 1)) for bs in sizes
+    )
+    return VerifyCostTable(batch_sizes=tuple(sizes), gamma=gamma, seconds=rows)
+
+
+class TestScheduleVerifyLensTopk(CustomTestCase):
+    def _lens(self, confidence, budget):
+        g, bs = confidence.shape
+        lens = torch.zeros(bs, dtype=torch.int64)
+        return ScheduleVerifyLensTopk.execute(
+            confidence=confidence,
+            budget=budget,
+            verify_lens=lens,
+            gains=torch.zeros(g, bs),
+            top_values=torch.zeros(budget),
+            top_index=torch.zeros(budget, dtype=torch.int64),
+            ones=torch.ones(budget, dtype=torch.int64),
+        ).tolist()
+
+    def test_maximises_the_expected_gain(self):
+        # Hand-worked: request 0 is sure of 2 drafts then unsure, request 1
+        # unsure from the start, request 2 fairly sure throughout.
+        conf = torch.tensor(
+            [[0.95, 0.3, 0.8], [0.9, 0.9, 0.8], [0.2, 0.9, 0.8]]
+        )  # [gamma=3, bs=3]
+        # Gains (running products): r0 .95 .855 .171; r1 .3 .27 .243;
+        # r2 .8 .64 .512. The best 4: .95 .855 .8 .64 -> lens [2, 0, 2].
+        self.assertEqual(self._lens(conf, 4), [2, 0, 2])
+        # Against every length vector with that budget: none gains more.
+        for budget in range(1, 9):
+            lens = self._lens(conf, budget)
+            self.assertEqual(sum(lens), budget)
+            best = max(
+                _gain(conf, cand)
+                for cand in itertools.product(range(4), repeat=3)
+                if sum(cand) == budget
+            )
+            self.assertAlmostEqual(_gain(conf, lens), best, places=6)
+
+    def test_confident_draft_gets_its_whole_block(self):
+        conf = torch.tensor([[0.99, 0.1], [0.99, 0.1], [0.98, 0.1]])
+        self.assertEqual(self._lens(conf, 3), [3, 0])
+
+
+def _gain(conf, lens):
+    return sum(
+        float(torch.prod(conf[: k + 1, b]))
+        for b, n in enumerate(lens)
+        for k in range(n)
+    )
+
+
+class TestRaggedLayout(CustomTestCase):
+    def test_rows_are_each_requests_anchor_and_first_drafts(self):
+        lens = torch.tensor([2, 0, 5, 1])
+        t, width = 4 + 8, 6
+        out = torch.zeros(t, dtype=torch.int64)
+        ragged_verify_layout(
+            verify_lens=lens,
+            width=width,
+            row_ids=torch.arange(t),
+            requests_1=torch.arange(1, 5),
+            row_ends=torch.zeros(4, dtype=torch.int64),
+            row_req=torch.zeros(t, dtype=torch.int64),
+            query_index=out,
+        )
+        want = [
+            b * width + j for b, n in enumerate(lens.tolist()) for j in range(n + 1)
+        ]
+        self.assertEqual(out.tolist(), want)
+
+
+class TestCostTable(CustomTestCase):
+    def test_interpolates_in_budget_and_batch_size(self):
+        table = _table(sizes=(1, 4))
+        self.assertAlmostEqual(table.cost(bs=1, budget=0), 1.0)
+        self.assertAlmostEqual(table.cost(bs=4, budget=8), 4.0 + 0.8)
+        self.assertAlmostEqual(table.cost(bs=4, budget=6), 4.0 + 0.6)  # L = 1.5
+        self.assertAlmostEqual(table.cost(bs=2, budget=2), 2.0 + 0.2)  # between sizes
+        self.assertAlmostEqual(table.cost(bs=8, budget=0), 8.0)  # past the last
+        with self.assertRaisesRegex(ValueError, "outside"):
+            table.cost(bs=2, budget=5)
+
+    def test_save_load_and_bad_files(self):
+        table = _table()
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "table.json")
+            table.save(path)
+            self.assertEqual(VerifyCostTable.load(path), table)
+            with open(path, "w") as f:
+                f.write("{")
+            with self.assertRaisesRegex(ValueError, "unreadable"):
+                VerifyCostTable.load(path)
+        with self.assertRaisesRegex(ValueError, "positive"):
+            VerifyCostTable(batch_sizes=(1,), gamma=1, seconds=((1.0, 0.0),))
+
+    def test_measured_over_every_size_and_budget(self):
+        calls = []
+        table = measure_cost_table(
+            run_step=lambda bs, budget: calls.append((bs, budget)),
+            batch_sizes=[1, 2],
+            gamma=2,
+            repeats=3,
+        )
+        self.assertEqual(table.batch_sizes, (1, 2))
+        expected = {(bs, bs * L) for bs in (1, 2) for L in range(3)}
+        self.assertEqual(set(calls), expected)
+        self.assertEqual(len(calls), (2 + 3) * 6)  # two warm-ups, three timed
+        self.assertTrue(all(t > 0 for row in table.seconds for t in row))
+        self.assertIn("bs 2", table.format())
+
+
+class TestPlanner(CustomTestCase):
+    def _planner(self, table, **kw):
+        return DSparkVerifyPlanner(gamma=2, cost_table=table, replan_every=1, **kw)
+
+    def _know(self, planner, bin_rates):
+        """Calibration as if many drafts were seen: greedy bin -> rate."""
+        for b, rate in bin_rates.items():
+            planner.seen[0][b], planner.accepted[0][b] = 1e9, rate * 1e9
+
+    def test_picks_the_tier_with_the_most_tokens_per_second(self):
+        # bs 2, gamma 2; calibrated acceptance .9 (bin 9) and .5 (bin 5).
+        # Gains: r0 .9 .81, r1 .5 .25 -> expected by budget 0: 2, 2: 3.71,
+        # 4: 4.46. Costs (plain 1, 0.4 a draft): 2.0, 2.8, 3.6 -> rates 1.0,
+        # 1.325, 1.239: budget 2.
+        planner = self._planner(_table(per_draft=0.4))
+        self._know(planner, {9: 0.9, 5: 0.5})
+        conf = [[0.95, 0.95], [0.55, 0.55]]
+        self.assertEqual(planner.plan(confidence=conf, sampled=[False, False]), 2)
+        # A confident pair gets every draft verified.
+        self._know(planner, {9: 0.99})
+        sure = [[0.95, 0.95]] * 2
+        self.assertEqual(planner.plan(confidence=sure, sampled=[False, False]), 4)
+        # Drafts that cost more than they win: a plain step.
+        costly = self._planner(_table(per_draft=2.0))
+        self._know(costly, {5: 0.5})
+        low = [[0.55, 0.55]] * 2
+        self.assertEqual(costly.plan(confidence=low, sampled=[False, False]), 0)
+
+    def test_near_ties_take_the_larger_budget(self):
+        # Rates within TIE of the best: verify more (the same throughput,
+        # more tokens a step).
+        planner = self._planner(_table(per_draft=0.5))
+        self._know(planner, {9: 0.95})
+        # Gains .95 .9025 per request: rates 1.0, 2.95/1.5, 3.85/2 -> 1.0,
+        # 1.967, 1.926 (within 2%): budget 2 per request.
+        conf = [[0.95, 0.95]]
+        self.assertEqual(planner.plan(confidence=conf, sampled=[False]), 2)
+
+    def test_new_requests_take_the_position_prior(self):
+        planner = self._planner(_table(per_draft=0.4))
+        self.assertEqual(planner.position_rate, [0.9, 0.9])  # optimistic
+        self.assertEqual(planner.plan(confidence=[None], sampled=[True]), 2)
+
+    def test_plain_streaks_draft_again_to_explore(self):
+        planner = self._planner(_table(per_draft=2.0), explore_every=4)
+        self._know(planner, {5: 0.5})
+        conf = [[0.5, 0.5]] * 2
+        plans = [planner.plan(confidence=conf, sampled=[False] * 2) for _ in range(8)]
+        self.assertEqual(plans, [0, 0, 0, 2, 0, 0, 0, 2])
+
+    def test_a_plan_holds_for_replan_every_steps(self):
+        planner = DSparkVerifyPlanner(gamma=2, cost_table=_table(), replan_every=3)
+        budgets, wants = [], []
+        for step in range(6):
+            budget = planner.held(2)
+            if budget is None:
+                budget = planner.plan(confidence=[None, None], sampled=[False] * 2)
+            budgets.append(budget)
+            wants.append(planner.wants_confidence)
+        # A plan every third step; the step before each plan reports.
+        self.assertEqual(wants, [False, False, True, False, False, True])
+        self.assertEqual(len(set(budgets)), 1)
+        self.assertIsNone(planner.held(3))  # another batch size plans anew
+
+    def test_observed_acceptance_calibrates_the_confidence(self):
+        planner = self._planner(_table(), prior_weight=4.0)
+        # Row 0 verified only draft 0 (accepted; its draft 1 not judged);
+        # row 1 accepted draft 0 and rejected draft 1.
+        planner.observe(
+            confidence=[[0.95, 0.95], [0.95, 0.15]],
+            sampled=[False, False],
+            accept_lens=[1, 1],
+            verify_lens=[1, 2],
+        )
+        table = {(r["kind"], r["bin"][0]): r for r in planner.calibration_table()}
+        self.assertEqual(table[("greedy", 0.9)]["drafts"], 2)
+        self.assertEqual(table[("greedy", 0.9)]["observed"], 1.0)
+        self.assertAlmostEqual(table[("greedy", 0.9)]["predicted"], 0.95)
+        self.assertEqual(table[("greedy", 0.1)]["drafts"], 1)
+        self.assertEqual(table[("greedy", 0.1)]["observed"], 0.0)
+        self.assertNotIn(("sampled", 0.1), table)
+        # Position 1: judged once, rejected: its rate moves from 0.9 to 0.81.
+        self.assertAlmostEqual(planner.position_rate[1], 0.9 + 0.1 * (0.0 - 0.9))
+        # calibrated = (accepted + w prior) / (seen + w), prior the position's
+        got = planner.calibrate(0.15, False, 1)
+        self.assertAlmostEqual(got, (0 + 4 * planner.position_rate[1]) / (1 + 4))
+
+    def test_observed_step_costs_scale_the_table(self):
+        planner = self._planner(_table())
+        self.assertAlmostEqual(planner.step_cost(bs=2, budget=2), 2.2)
+        for _ in range(200):  # a running mean: 0.9 ** 200 of the start is left
+            planner.observe_cost(bs=2, budget=2, seconds=4.4)
+        self.assertAlmostEqual(planner.step_cost(bs=2, budget=4), 2 * 2.4, places=3)
+        self.assertAlmostEqual(planner.step_cost(bs=2, budget=0), 2.0)  # apart
+
+    def test_schedule_config(self):
+        self.assertEqual(DSparkScheduleConfig().min_verify_len, 1)
+        with self.assertRaisesRegex(ValueError, "min_verify_len"):
+            DSparkScheduleConfig(min_verify_len=-1)
+
+
+def _engine(budget, algorithm="DSPARK", **kw):
+    args = dict(device="cpu", random_seed=0, max_running_requests=4, **kw)
+    if algorithm:
+        args.update(speculative_algorithm=algorithm, speculative_verify_budget=budget)
+    return Engine(**args)
+
+
+class TestBudgetsEndToEnd(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.params = {"max_new_tokens": 24}
+        plain = _engine(None, algorithm=None)
+        outs = plain.generate(input_ids=PROMPTS, sampling_params=cls.params)
+        cls.plain = [o["output_ids"] for o in outs]
+
+    def test_every_budget_keeps_greedy_equal_to_plain(self):
+        for budget, buckets in itertools.product(
+            ("auto", "off", 0, 1, 4, 100), (None, [1, 2, 4])
+        ):
+            with self.subTest(budget=budget, buckets=buckets):
+                engine = _engine(budget, cuda_graph_bs=buckets)
+                outs = engine.generate(input_ids=PROMPTS, sampling_params=self.params)
+                self.assertEqual([o["output_ids"] for o in outs], self.plain)
+                verify = [o["meta_info"]["spec_verify_tokens"] for o in outs]
+                if budget == 0:
+                    self.assertEqual(verify, [0.0] * 3)
+                if budget == "off":
+                    self.assertEqual(verify, [5.0] * 3)
+
+    def test_budget_zero_is_a_plain_step(self):
+        # No draft forward, the plain forward's ops, and the draft context
+        # written when drafting resumes (the stash), not every step.
+        dspark, plain = _engine(0), _engine(None, algorithm=None)
+        counts, reqs = {}, {}
+        for name, engine in (("dspark", dspark), ("plain", plain)):
+            sched = engine.scheduler
+            params = SamplingParams(max_new_tokens=8)
+            req = reqs[name] = Req(
+                rid=99, origin_input_ids=PROMPTS[0], sampling_params=params
+            )
+            sched.add_request(req)
+            sched.step()
+            with OpCounter() as c:
+                engine.worker.spans.hook = rec = PhaseRecorder(counter=c)
+                sched.step()
+            engine.worker.spans.hook = None
+            counts[name] = (c.ops, rec.totals)
+            while sched.has_work():
+                sched.step()
+        ops, spans = counts["dspark"]
+        self.assertNotIn("draft forward", spans)
+        self.assertNotIn("context write", spans)
+        plain_forward = counts["plain"][1]["forward"]["ops"]
+        # The same model on the same rows; its hidden states are captured.
+        self.assertLessEqual(spans["verify forward"]["ops"] - plain_forward, 2)
+        self.assertLess(ops, counts["plain"][0] + 20)
+        # Its draft context waits in the stash, from the first plain step's anchor.
+        self.assertEqual(reqs["dspark"].draft_context_from, len(PROMPTS[0]))
+
+    def test_stashed_context_is_written_when_drafting_resumes(self):
+        # Plain steps, then drafting: the draft's context KV equals that of
+        # an engine that drafted throughout (its context write every step).
+        runs = {}
+        for name, budget in (("resumed", 0), ("always", "off")):
+            engine = _engine(budget)
+            sched = engine.scheduler
+            req = Req(
+                rid=0,
+                origin_input_ids=PROMPTS[1],
+                sampling_params=SamplingParams(max_new_tokens=40),
+            )
+            sched.add_request(req)
+            while len(req.output_ids) < 12:
+                sched.step()
+            if name == "resumed":
+                self.assertIsNotNone(req.draft_context_from)
+                engine.worker.verify_budget = "off"  # draft from now on
+                sched.step()
+                self.assertIsNone(req.draft_context_from)
+            pool = engine.worker.draft_runner.token_to_kv_pool
+            slots = req.kv_slots[: len(req.origin_input_ids) + 10]
+            runs[name] = pool.k[:, slots].clone()
+        torch.testing.assert_close(
+            runs["resumed"], runs["always"], rtol=1e-4, atol=1e-5
+        )
+
+
+class TestServerArgs(CustomTestCase):
+    def test_bad_budgets(self):
+        for bad in ("on", -1, 1.5, True):
+            with self.subTest(budget=bad):
+                with self.assertRaisesRegex(ValueError, "speculative_verify_budget"):
+                    _engine(bad)
+        with self.assertRaisesRegex(ValueError, "only used with"):
+            Engine(speculative_verify_budget="off")
+
+
+if __name__ == "__main__":
+    unittest.main()
