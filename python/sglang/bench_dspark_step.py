@@ -26,6 +26,22 @@ paths at EP 1: the noise floor), and per decode step and variant the int32
 0-dim tensors created, host-to-device copies, aten ops and allocations,
 counted exactly with ``OpCounter``. On a CPU the seed's effect (a GPU
 launch/copy stall) does not exist; the honest evidence there is the count.
+
+The deployment the scalar exists for, data-parallel attention with an
+expert-parallel MoE:
+
+    python -m sglang.bench_dspark_step --ep-size 2 --enable-dp-attention --json F
+
+runs ``--ep-size`` gloo ranks, each decoding its own requests (rank r gets
+``C - r``, at least 1: DP ranks are rarely balanced, and a lighter rank pads
+to the busiest one's rows), and reports per decode step and rank what the
+MoE dispatch sends (``--moe-a2a-backend``, default ``all_to_all``): rows,
+padded rows among them, and bytes, for each variant. ``before`` (the draft
+block without its scalar) sends the padded draft rows; ``fixed`` sends none,
+and its hidden-state bytes equal the real rows' copies (each real row once
+per other rank owning one of its experts, counted independently from the
+router by a forward hook) x hidden size x dtype size. No timing in this
+mode.
 """
 
 import argparse
@@ -40,7 +56,7 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -49,6 +65,9 @@ from tqdm import tqdm
 from sglang.bench_stats import median_ratio
 from sglang.srt.distributed.parallel_state import get_open_port
 from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.layers.moe.ep_moe import EPMoE
+from sglang.srt.layers.moe.token_dispatcher import DispatchStats
+from sglang.srt.layers.moe.topk import select_experts
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components import dspark_draft
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
@@ -71,10 +90,14 @@ def regressed_make_num_token_non_padded(num_tokens, device, *, out=None):
 
 
 class BeforeProposer(DraftBlockProposer):
-    """``before``: the draft block carries no scalar."""
+    """``before``: the draft block carries no scalar (under DP attention,
+    every rank's counts but still no scalar: its padded rows go unmasked)."""
 
     def prepare(self, *, views, batch, scalar) -> None:
-        views.draft_batch.num_token_non_padded = None
+        draft_batch = views.draft_batch
+        draft_batch.num_token_non_padded_cpu = batch.batch_size * self.gamma
+        self._fill_dp_moe_sync_metadata(draft_batch, batch)
+        draft_batch.num_token_non_padded = None
 
 
 class AfterProposer(DraftBlockProposer):
@@ -82,12 +105,14 @@ class AfterProposer(DraftBlockProposer):
     the step's buffer (what a graph runner does with it before a replay)."""
 
     def prepare(self, *, views, batch, scalar) -> None:
-        built = regressed_make_num_token_non_padded(
-            batch.batch_size * self.gamma, self.device
-        )
-        views.draft_batch.num_token_non_padded = (
+        num_tokens = batch.batch_size * self.gamma
+        built = regressed_make_num_token_non_padded(num_tokens, self.device)
+        draft_batch = views.draft_batch
+        draft_batch.num_token_non_padded = (
             None if built is None else scalar.copy_(built)
         )
+        draft_batch.num_token_non_padded_cpu = num_tokens
+        self._fill_dp_moe_sync_metadata(draft_batch, batch, scalar=scalar)
 
 
 PROPOSERS = {
@@ -105,7 +130,7 @@ def with_proposer(engine: Engine, name: str) -> Engine:
     old = worker.proposer
     worker.proposer = PROPOSERS[name](
         draft_model=old.draft_model,
-        draft_runner=old.draft_runner,
+        draft_model_runner=old.draft_model_runner,
         config=worker.config,
         device=old.device,
         spans=old.spans,
@@ -140,7 +165,15 @@ class _Bench:
         self, args: argparse.Namespace, concurrency: int, variant: str
     ) -> None:
         self.args, self.concurrency, self.variant = args, concurrency, variant
+        dp = {}
+        if args.enable_dp_attention:
+            dp = dict(
+                enable_dp_attention=True,
+                dp_size=args.ep_size,
+                moe_a2a_backend=args.moe_a2a_backend,
+            )
         self.engine = Engine(
+            **dp,
             speculative_algorithm="DSPARK",
             model_path=args.model_path,
             device=args.device,
@@ -399,6 +432,112 @@ def bench(args: argparse.Namespace, rank: int = 0) -> List[Dict]:
     return rows
 
 
+def _moe_layers(engine: Engine) -> List[EPMoE]:
+    worker = engine.worker
+    models = (worker.target_worker.model, worker.draft_model)
+    return [m for model in models for m in model.modules() if isinstance(m, EPMoE)]
+
+
+def _real_row_copies(counter: Counter):
+    """A forward hook on each MoE: per forward mode, how many (real row,
+    other rank owning one of its experts) pairs there are, from the router
+    itself: what a dispatch that never sends a padded row sends."""
+
+    def hook(module: EPMoE, args, kwargs, output) -> None:
+        fb = kwargs["forward_batch"]
+        x = args[0][: fb.num_token_non_padded_cpu]
+        with torch.no_grad():
+            topk = select_experts(router_logits=module.gate(x), top_k=module.top_k)
+        owners = (topk.topk_ids // module.num_local).tolist()
+        me = module.ep_rank  # its own share never leaves the rank
+        counter[fb.forward_mode.name] += sum(len(set(r) - {me}) for r in owners)
+
+    return hook
+
+
+def dp_bytes(args: argparse.Namespace, rank: int) -> List[Dict]:
+    """Per concurrency and variant, what this rank's MoE dispatch sends per
+    decode step over ``--count-steps`` steps with all its requests running."""
+    rows = []
+    for c in args.concurrency:
+        mine = max(c - rank, 1)
+        variants, outputs = {}, {}
+        for name in VARIANTS:
+            b = _Bench(args, c, name)
+            engine, sched = b.engine, b.engine.scheduler
+            k = args.count_steps
+            # Nobody finishes inside the counted steps (a step commits at
+            # most gamma + 1 tokens).
+            params = SamplingParams(
+                max_new_tokens=(k + 2) * (engine.worker.lookahead + 1)
+            )
+            reqs = [
+                Req(rid=i, origin_input_ids=list(p), sampling_params=params)
+                for i, p in enumerate(b.prompts[:mine])
+            ]
+            for req in reqs:
+                sched.add_request(req)
+            sched.step()  # admission, prefill and the first decode step
+            layers = _moe_layers(engine)
+            for m in layers:
+                m.dispatcher.stats.clear()
+            copies: Counter = Counter()
+            handles = [
+                m.register_forward_hook(_real_row_copies(copies), with_kwargs=True)
+                for m in layers
+            ]
+            try:
+                for _ in range(k):
+                    sched.step()
+            finally:
+                for h in handles:
+                    h.remove()
+            outputs[name] = [list(r.output_ids) for r in reqs]
+            sched.abort_requests(reqs)
+            hidden = engine.worker.target_worker.model.config.hidden_size
+            per_mode = {}
+            for mode in ("DRAFT_EXTEND_V2", "TARGET_VERIFY"):
+                total = DispatchStats()
+                for m in layers:
+                    st = m.dispatcher.stats.get(mode, DispatchStats())
+                    for f in fields(DispatchStats):
+                        setattr(
+                            total, f.name, getattr(total, f.name) + getattr(st, f.name)
+                        )
+                per_mode["draft" if mode.startswith("DRAFT") else "verify"] = {
+                    "rows": total.rows / k,
+                    "real_rows": total.real_rows / k,
+                    "sent_rows": total.sent_rows / k,
+                    "padded_rows_sent": total.padded_rows_sent / k,
+                    "real_row_copies": copies[mode] / k,
+                    "hidden_bytes": total.hidden_bytes / k,
+                    "routing_bytes": total.routing_bytes / k,
+                    "combine_bytes": total.combine_bytes / k,
+                    "total_bytes": total.total_bytes / k,
+                }
+            variants[name] = {
+                "requests": mine,
+                "row_bytes": hidden * 4,  # float32 hidden states
+                "per_step": per_mode,
+                "hidden_bytes_equal_real_row_copies": all(
+                    m["hidden_bytes"] == m["real_row_copies"] * hidden * 4
+                    for m in per_mode.values()
+                ),
+            }
+        rows.append(
+            {
+                "concurrency": c,
+                "moe_a2a_backend": args.moe_a2a_backend,
+                "count_steps": args.count_steps,
+                "variants": variants,
+                "greedy_output_equal": all(
+                    o == outputs["fixed"] for o in outputs.values()
+                ),
+            }
+        )
+    return rows
+
+
 def _activities(is_cuda: bool) -> list:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if is_cuda:
@@ -418,8 +557,11 @@ def _rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
         rank=rank, world_size=world, port=port, timeout_s=args.ep_timeout
     )  # a dead rank ends the run
     try:
-        init_parallel_from_distributed(timeout_s=args.ep_timeout)
-        rows = bench(args, rank)
+        if args.enable_dp_attention:  # the engines build their own groups
+            rows = dp_bytes(args, rank)
+        else:
+            init_parallel_from_distributed(timeout_s=args.ep_timeout)
+            rows = bench(args, rank)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(rows, f)
     finally:
@@ -449,6 +591,55 @@ def run(args: argparse.Namespace) -> Dict:
 
 def _num(x: float) -> str:
     return f"{x:g}" if x == int(x) else f"{x:.2f}"
+
+
+def format_dp_report(result: Dict, args: argparse.Namespace) -> str:
+    lines = [
+        f"MoE dispatch per decode step, DP attention over {args.ep_size} ranks "
+        f"(moe_a2a_backend={args.moe_a2a_backend}, mean of {args.count_steps} "
+        f"steps with every request running, summed over each forward's MoE "
+        f"layers: the draft has 1, the target 4; a row is a float32 hidden "
+        f"state of "
+        f"{result['ranks'][0][0]['variants']['fixed']['row_bytes']} bytes)",
+        "",
+        "| C | rank | requests | variant | forward | rows (real) | rows sent "
+        "| padded rows sent | real row copies | hidden bytes | all bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, rank_rows in enumerate(result["ranks"]):
+        for r in rank_rows:
+            for name, v in r["variants"].items():
+                for fwd, m in v["per_step"].items():
+                    lines.append(
+                        f"| {r['concurrency']} | {rank} | {v['requests']} | {name} "
+                        f"| {fwd} | {_num(m['rows'])} ({_num(m['real_rows'])}) "
+                        f"| {_num(m['sent_rows'])} | {_num(m['padded_rows_sent'])} "
+                        f"| {_num(m['real_row_copies'])} | {_num(m['hidden_bytes'])} "
+                        f"| {_num(m['total_bytes'])} |"
+                    )
+    lines.append("")
+    fixed_clean = all(
+        m["padded_rows_sent"] == 0
+        for rank_rows in result["ranks"]
+        for r in rank_rows
+        for m in r["variants"]["fixed"]["per_step"].values()
+    )
+    exact = all(
+        r["variants"]["fixed"]["hidden_bytes_equal_real_row_copies"]
+        for rank_rows in result["ranks"]
+        for r in rank_rows
+    )
+    lines.append(
+        f"fixed sends no padded row: {'yes' if fixed_clean else 'NO'}; its hidden "
+        f"bytes = real row copies x row bytes on every rank: "
+        f"{'yes' if exact else 'no'}; greedy output equal across variants: "
+        + (
+            "yes"
+            if all(r["greedy_output_equal"] for rr in result["ranks"] for r in rr)
+            else "NO"
+        )
+    )
+    return "\n".join(lines)
 
 
 def format_report(result: Dict, args: argparse.Namespace) -> str:
@@ -580,6 +771,18 @@ def main(argv=None) -> int:
         "--ep-size", type=int, default=1, help="> 1 runs that many gloo ranks (CPU)"
     )
     p.add_argument("--ep-timeout", type=float, default=120.0, help="seconds")
+    p.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="DP attention over the --ep-size ranks: report the MoE dispatch's "
+        "rows and bytes per step instead of timings",
+    )
+    p.add_argument(
+        "--moe-a2a-backend",
+        choices=("none", "all_to_all"),
+        default="all_to_all",
+        help="the DP dispatch measured (none: gather and all-reduce)",
+    )
     p.add_argument("--model-path", default=None, help="default: embedded tiny-moe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="DIR: a chrome trace per variant")
@@ -601,6 +804,8 @@ def main(argv=None) -> int:
         p.error("--ep-size > 1 runs gloo ranks: CPU only here (--device cpu)")
     if args.ep_size > 1:
         args.device = "cpu"
+    if args.enable_dp_attention and args.ep_size < 2:
+        p.error("--enable-dp-attention needs --ep-size 2 or more")
     if args.json:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
@@ -612,7 +817,8 @@ def main(argv=None) -> int:
     except ValueError as e:  # e.g. a request that does not fit the KV
         print(f"bench_dspark_step: error: {e}", file=sys.stderr)
         return 2
-    print(format_report(result, args), flush=True)
+    report = format_dp_report if args.enable_dp_attention else format_report
+    print(report(result, args), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(result, args=vars(args)), f, indent=2)

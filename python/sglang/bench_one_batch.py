@@ -42,6 +42,15 @@ two forwards cost time (this run's tokens per step over their cost), a
 bound no change outside the forwards can pass. On CUDA each phase is
 synchronized before and after, which serializes launches: a breakdown,
 not a step time.
+
+Data-parallel attention, one process per rank, as upstream launches it:
+
+    torchrun --nproc-per-node 2 -m sglang.bench_one_batch --enable-dp-attention
+
+Each rank runs both engines over its own share of the prompts (the batch
+size and ``--num-prompts`` are per rank; rank r gets prompts r, r + N, ...)
+in lockstep with the other ranks: their MoE layers are expert-parallel over
+all of them. Rank 0 prints its figures and writes the JSON.
 """
 
 import argparse
@@ -54,6 +63,7 @@ import sys
 from typing import Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from sglang.bench_stats import geometric_mean_ratio, mean_ratio
@@ -84,6 +94,8 @@ def make_prompts(
 
 
 def _submit(engine: Engine, prompts, params: Dict) -> List[Req]:
+    """Queue this rank's share of ``prompts`` (all of them without DP)."""
+    prompts = prompts[engine.dp_rank :: engine.dp_size]
     reqs = [
         Req(
             rid=next(_rids),
@@ -94,6 +106,7 @@ def _submit(engine: Engine, prompts, params: Dict) -> List[Req]:
     ]
     for req in reqs:
         engine.scheduler.add_request(req)
+    engine.scheduler.start_round()
     return reqs
 
 
@@ -218,6 +231,12 @@ def run(args: argparse.Namespace) -> List[Dict]:
         max_running_requests=max(args.batch_size),
         disable_cuda_graph=args.disable_cuda_graph,
     )
+    if args.enable_dp_attention:
+        common.update(
+            enable_dp_attention=True,
+            dp_size=args.dp_size,
+            moe_a2a_backend=args.moe_a2a_backend,
+        )
     engines = {
         "plain": Engine(speculative_algorithm=None, **common),
         "dspark": Engine(
@@ -230,6 +249,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
         ),
     }
     plain, dspark = engines["plain"], engines["dspark"]
+    dp = plain.dp_size  # every rank gets num prompts: N x num in all
+    printing = plain.dp_rank == 0
     heldout = load_stdlib_corpus().read("heldout") if args.prompts == "stdlib" else None
     rows = []
     for temperature, bs in itertools.product(args.temperature, args.batch_size):
@@ -237,19 +258,20 @@ def run(args: argparse.Namespace) -> List[Dict]:
         num = _num_prompts(args, bs)
         if heldout is not None:
             prompts = sample_prompts(
-                heldout, num=num, length=args.input_len, seed=args.seed * 1000 + bs
+                heldout, num=num * dp, length=args.input_len, seed=args.seed * 1000 + bs
             )
         else:
             prompts = make_prompts(  # seeded per row, as the stdlib sample
                 rng=random.Random(args.seed * 1000 + bs),
                 vocab_size=plain.vocab_size,
-                batch_size=num,
+                batch_size=num * dp,
                 input_len=args.input_len,
             )
         for engine in engines.values():
             engine.scheduler.max_running_requests = bs  # requests decoding at once
             engine.generate(  # warm up
-                input_ids=prompts[:bs], sampling_params=dict(params, max_new_tokens=4)
+                input_ids=prompts[: bs * dp],
+                sampling_params=dict(params, max_new_tokens=4),
             )
             # Each row draws from the seed, whatever ran before it (other rows,
             # warm-ups, --count-ops passes), and its prompts are seeded per
@@ -261,7 +283,12 @@ def run(args: argparse.Namespace) -> List[Dict]:
         pairs: List[Tuple[float, float]] = []
         total = args.repeats * len(ENGINES) * num * args.output_len
         with tqdm(
-            total=total, desc=f"bs={bs}", unit="tok", leave=False, file=sys.stderr
+            total=total,
+            desc=f"bs={bs}",
+            unit="tok",
+            leave=False,
+            file=sys.stderr,
+            disable=not printing,
         ) as bar:
             for _ in range(args.repeats):
                 reqs, step_times, round_pairs = _lockstep_round(
@@ -283,6 +310,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
             "cuda_graph": plain.server_args.use_cuda_graph,
             "repeats": args.repeats,
             "block_steps": args.block_steps,
+            "dp_size": dp,  # the figures are rank 0's
+            "moe_a2a_backend": plain.server_args.moe_a2a_backend,
         }
         tokens_per_step = {}
         for name in ENGINES:
@@ -348,7 +377,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
                 for key, value in _count_ops(engine, prompts[:bs], params).items():
                     row[f"{name}_{key}"] = value
         rows.append(row)
-        print(_format(row, engines), flush=True)
+        if printing:
+            print(_format(row, engines), flush=True)
     return rows
 
 
@@ -503,8 +533,42 @@ def main(argv=None) -> int:
         help="also print where a decode step's time goes, in plain steps "
         "(one more lockstep round, timed by phase)",
     )
+    p.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="data-parallel attention over the torch.distributed world (launch "
+        "with torchrun --nproc-per-node N): each rank decodes its own share",
+    )
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=None,
+        help="DP attention ranks; default: the torchrun world (WORLD_SIZE)",
+    )
+    p.add_argument(
+        "--moe-a2a-backend",
+        choices=("none", "all_to_all"),
+        default="none",
+        help="under DP attention: gather every rank's MoE rows and all-reduce "
+        "(none), or send each row only to its experts' ranks (all_to_all)",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
+    if args.enable_dp_attention:
+        if args.dp_size is None:
+            args.dp_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.dp_size < 2:
+            p.error(
+                "--enable-dp-attention needs 2 or more ranks: launch with torchrun "
+                "--nproc-per-node N (or pass --dp-size N to each rank of a world)"
+            )
+        if args.count_ops:
+            p.error("--count-ops counts one process's steps: run it without DP")
+        if args.device not in (None, "cpu"):
+            p.error("--enable-dp-attention runs gloo ranks: CPU only here")
+        args.device = "cpu"
+    elif args.dp_size is not None or args.moe_a2a_backend != "none":
+        p.error("--dp-size and --moe-a2a-backend need --enable-dp-attention")
     if args.input_len < 1:
         p.error("--input-len must be >= 1")
     if args.output_len < 2:  # the first token comes from prefill: no decode step
@@ -527,10 +591,12 @@ def main(argv=None) -> int:
         if os.path.isdir(args.json):
             p.error(f"--json {args.json} is a folder; give a file path")
     rows = run(args)
-    if args.json:
+    if args.json and (not dist.is_initialized() or dist.get_rank() == 0):
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
         print(f"wrote {args.json}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0 if all(r["greedy_output_equal"] is not False for r in rows) else 1
 
 

@@ -1,12 +1,13 @@
 """The process-wide parallel context, read through ``get_parallel()``.
 
-The parallel layout (TP and MoE expert parallelism: sizes, ranks, the EP
-group) is the one process-wide fact in the slice; everything else takes its
-inputs explicitly. Values resolve in upstream's order: a scoped override
+The parallel layout (TP, data-parallel attention and MoE expert
+parallelism: sizes, ranks, the EP group, the MoE dispatch) is the one
+process-wide fact in the slice; everything else takes its inputs
+explicitly. Values resolve in upstream's order: a scoped override
 (``with get_parallel().override(moe_ep_size=2):``), then a permanent one
 (``override_permanently``, set once the process groups are built), then the
 single-process defaults. Upstream publishes many more fields from its
-ServerArgs; this slice has the five that the DSpark path reads.
+ServerArgs; this slice has the ones the DSpark path and the MoE read.
 """
 
 from contextlib import contextmanager
@@ -21,13 +22,25 @@ _DEFAULTS: Dict[str, Any] = {
     # with moe_ep_size > 1 and no group is fine for predicates; the EP MoE
     # layer refuses it.
     "moe_ep_group": None,
+    # Data-parallel attention: each of attn_dp_size ranks decodes its own
+    # requests (its own batch and KV); the MoE is expert-parallel over them.
+    "enable_dp_attention": False,
+    "attn_dp_size": 1,
+    "attn_dp_rank": 0,
+    # How MoE rows reach the ranks that own their experts under DP
+    # attention: "none" (gather every rank's rows, all-reduce the shares)
+    # or "all_to_all" (send each real row only to its experts' ranks).
+    "moe_a2a_backend": "none",
 }
+
+MOE_A2A_BACKENDS = ("none", "all_to_all")
 
 
 def _validate(values: Dict[str, Any]) -> None:
     for size_name, rank_name in (
         ("tp_size", "tp_rank"),
         ("moe_ep_size", "moe_ep_rank"),
+        ("attn_dp_size", "attn_dp_rank"),
     ):
         size, rank = values[size_name], values[rank_name]
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -38,11 +51,20 @@ def _validate(values: Dict[str, Any]) -> None:
             raise ValueError(
                 f"{rank_name} must be in [0, {size_name}={size}), got {rank}"
             )
+    if values["moe_a2a_backend"] not in MOE_A2A_BACKENDS:
+        raise ValueError(
+            f"moe_a2a_backend must be one of {MOE_A2A_BACKENDS}, got "
+            f"{values['moe_a2a_backend']!r}"
+        )
+    if not isinstance(values["enable_dp_attention"], bool):
+        raise ValueError(
+            f"enable_dp_attention must be a bool, got {values['enable_dp_attention']!r}"
+        )
 
 
 class ParallelContext:
-    """Sizes, ranks and the EP group of this process; attributes read as
-    ``get_parallel().moe_ep_size``."""
+    """Sizes, ranks, the EP group and the MoE dispatch of this process;
+    attributes read as ``get_parallel().moe_ep_size``."""
 
     __slots__ = ("_overrides", "_stamp")
 

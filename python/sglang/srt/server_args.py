@@ -28,6 +28,7 @@ from sglang.srt.models.registry import (
     get_target_preset,
 )
 from sglang.srt.models.tiny_moe import TinyMoEConfig
+from sglang.srt.runtime_context import MOE_A2A_BACKENDS
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
 KV_CACHE_DTYPE = torch.float32
@@ -131,6 +132,18 @@ class ServerArgs:
     # Seconds any collective (EP all-reduce, rank agreement checks) may wait
     # for a peer before it raises.
     dist_timeout: float = 60.0
+    # Data-parallel attention (upstream's names): dp_size ranks, one per
+    # process of a torch.distributed world of that size, each decoding its
+    # own share of the requests (every rank is given every call's requests
+    # and takes those at index rank, rank + dp_size, ...) with its own
+    # batch and KV pool; max_running_requests and the pools are per rank.
+    # The MoE is expert-parallel over them.
+    enable_dp_attention: bool = False
+    dp_size: int = 1
+    # How MoE rows reach their experts' ranks under DP attention: "none"
+    # (gather every rank's rows, all-reduce the shares) or "all_to_all"
+    # (each real row only to its experts' ranks; eager only).
+    moe_a2a_backend: str = "none"
 
     def __post_init__(self) -> None:
         target_config = self._resolve_model()
@@ -160,6 +173,7 @@ class ServerArgs:
         self.dist_timeout = _checked_float(
             "dist_timeout", self.dist_timeout, lo=0, hi=7 * 24 * 3600, lo_open=True
         )
+        self._check_dp_attention()
         self._check_cuda_graph_bs()
         max_position = target_config.max_position
         if self.context_length > max_position:
@@ -168,6 +182,41 @@ class ServerArgs:
                 f"max_position={max_position}"
             )
         self._check_memory()
+
+    def _check_dp_attention(self) -> None:
+        if not isinstance(self.enable_dp_attention, bool):
+            raise ValueError(
+                f"enable_dp_attention must be a bool, got {self.enable_dp_attention!r}"
+            )
+        self.dp_size = _checked_int("dp_size", self.dp_size, lo=1)
+        if self.enable_dp_attention and self.dp_size == 1:
+            raise ValueError(
+                "enable_dp_attention needs dp_size > 1 (one DP attention rank per "
+                "process)"
+            )
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(
+                f"dp_size={self.dp_size} without enable_dp_attention: this slice "
+                f"has no data-parallel controller over independent replicas; "
+                f"pass enable_dp_attention=True"
+            )
+        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+            raise ValueError(
+                f"moe_a2a_backend must be one of {MOE_A2A_BACKENDS}, got "
+                f"{self.moe_a2a_backend!r}"
+            )
+        if self.moe_a2a_backend != "none":
+            if not self.enable_dp_attention:
+                raise ValueError(
+                    f"moe_a2a_backend={self.moe_a2a_backend!r} dispatches each "
+                    f"rank's own rows: it needs enable_dp_attention=True"
+                )
+            if self.use_cuda_graph:
+                raise ValueError(
+                    f"moe_a2a_backend={self.moe_a2a_backend!r} reads its send "
+                    f"splits on the host, which a CUDA graph cannot: pass "
+                    f"disable_cuda_graph=True"
+                )
 
     def _resolve_model(self) -> TinyMoEConfig:
         """The one place a model path becomes a config."""

@@ -206,6 +206,55 @@ class TestBenchDSparkStepEP2(CustomTestCase):
             self.assertFalse(rows[0]["before_equals_fixed"])
 
 
+class TestBenchDSparkStepDpAttention(CustomTestCase):
+    """``--enable-dp-attention``: what the MoE dispatch sends per decode step.
+    C=3 over 2 ranks gives them 3 and 2 requests: the second pads one."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "dp.json")
+            argv = ["--input-len", "8", "--count-steps", "2", "--concurrency", "3"]
+            argv += ["--ep-size", "2", "--enable-dp-attention", "--json", path]
+            cls.rc, cls.stdout = _main(argv)
+            with open(path) as f:
+                cls.ranks = json.load(f)["ranks"]
+
+    def test_fixed_sends_no_padded_row_and_exactly_the_real_copies(self):
+        self.assertEqual(self.rc, 0)
+        self.assertIn("fixed sends no padded row: yes", self.stdout)
+        for rank, rows in enumerate(self.ranks):
+            fixed = rows[0]["variants"]["fixed"]
+            self.assertEqual(fixed["requests"], 3 - rank)
+            for fwd, m in fixed["per_step"].items():
+                with self.subTest(rank=rank, forward=fwd):
+                    self.assertEqual(m["padded_rows_sent"], 0)
+                    self.assertGreater(m["real_row_copies"], 0)
+                    self.assertEqual(
+                        m["hidden_bytes"], m["real_row_copies"] * fixed["row_bytes"]
+                    )
+
+    def test_before_sends_the_padded_draft_rows(self):
+        # Rank 1 pads one request to rank 0's rows: without the draft
+        # block's scalar its gamma padded rows go out unmasked.
+        light = self.ranks[1][0]["variants"]
+        before, fixed = light["before"]["per_step"], light["fixed"]["per_step"]
+        self.assertGreater(before["draft"]["padded_rows_sent"], 0)
+        self.assertGreater(
+            before["draft"]["hidden_bytes"], fixed["draft"]["hidden_bytes"]
+        )
+        # The verify batch carries its scalar in every variant.
+        self.assertEqual(before["verify"], fixed["verify"])
+        self.assertTrue(self.ranks[0][0]["greedy_output_equal"])
+
+    def test_needs_ranks(self):
+        with contextlib.redirect_stderr(io.StringIO()):
+            with self.assertRaises(SystemExit) as ctx:
+                bench_dspark_step.main(["--enable-dp-attention"])
+        self.assertEqual(ctx.exception.code, 2)
+
+
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
 class TestBenchDSparkStepCUDA(CustomTestCase):
     def test_cuda_graphs_table_and_counts(self):

@@ -4,17 +4,20 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import unittest
 from unittest import mock
 
 from sglang import Engine, bench_one_batch
+from sglang.srt.distributed.parallel_state import get_open_port
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
-register_cpu_ci(est_time=12, suite="base-a-test-cpu")
+register_cpu_ci(est_time=25, suite="base-a-test-cpu")
 
 
 def _main(argv):
@@ -321,12 +324,41 @@ class TestBenchOneBatch(CustomTestCase):
             ["--repeats", "0"],
             ["--block-steps", "0"],
             ["--batch-size", "1", "8", "--num-prompts", "4"],
+            ["--enable-dp-attention"],  # one process: no ranks
+            ["--enable-dp-attention", "--dp-size", "2", "--count-ops"],
+            ["--moe-a2a-backend", "all_to_all"],  # without DP attention
         ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):
                     with self.assertRaises(SystemExit) as ctx:
                         bench_one_batch.main(argv)
                 self.assertEqual(ctx.exception.code, 2)
+
+    def test_torchrun_with_dp_attention(self):
+        # As a user launches it: two ranks, each its own share of the prompts.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd += ["--master-port", str(get_open_port()), "-m", "sglang.bench_one_batch"]
+        cmd += ["--enable-dp-attention", "--moe-a2a-backend", "all_to_all"]
+        cmd += ["--batch-size", "2", "--temperature", "0", "--output-len", "8"]
+        cmd += ["--input-len", "8", "--num-prompts", "3", "--repeats", "1"]
+        cmd += ["--speculative-verify-budget", "off"]
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "dp.json")
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            run = subprocess.run(
+                cmd + ["--json", path], capture_output=True, text=True, env=env
+            )
+            self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+            with open(path) as f:
+                (row,) = json.load(f)
+        self.assertEqual(run.stdout.count("T=0 bs=2"), 1)  # rank 0 prints
+        self.assertIn("greedy equal: True", run.stdout)
+        self.assertEqual(row["dp_size"], 2)
+        self.assertEqual(row["moe_a2a_backend"], "all_to_all")
+        self.assertTrue(row["greedy_output_equal"])
+        # Rank 0 decoded its 3 prompts, 2 at a time: 7 decode steps (the
+        # first of 8 tokens is the prefill's) for the first two, 7 for the third.
+        self.assertEqual(row["plain_decode_steps"], 7 * 2)
 
     def test_json_path_checked_before_the_run(self):
         with tempfile.TemporaryDirectory() as d:

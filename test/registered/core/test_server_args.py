@@ -3,7 +3,9 @@ ValueError naming it, before anything is allocated; the pools' memory is
 computed up front (and equals what the engine then allocates); options the
 chosen algorithm would ignore are refused."""
 
+import os
 import unittest
+from unittest import mock
 
 import numpy as np
 import torch
@@ -59,6 +61,15 @@ class TestServerArgsValidation(CustomTestCase):
             (
                 {"speculative_algorithm": "dspark"},
                 "speculative_algorithm must be one of",
+            ),
+            ({"enable_dp_attention": 1}, "enable_dp_attention must be a bool"),
+            ({"dp_size": 0}, "dp_size must be an int >= 1, got 0"),
+            ({"enable_dp_attention": True}, "enable_dp_attention needs dp_size > 1"),
+            ({"dp_size": 2}, "dp_size=2 without enable_dp_attention"),
+            ({"moe_a2a_backend": "deepep"}, "moe_a2a_backend must be one of"),
+            (
+                {"moe_a2a_backend": "all_to_all"},
+                "moe_a2a_backend='all_to_all' .* needs enable_dp_attention",
             ),
         ]
         for kwargs, needle in cases:
@@ -120,6 +131,13 @@ class TestServerArgsValidation(CustomTestCase):
             ValueError, "speculative_draft_model_path must be a str"
         ):
             ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path=3)
+
+    def test_dp_attention_without_its_ranks_says_how_to_launch(self):
+        # One process, not started by torchrun: no world to join.
+        with mock.patch.dict(os.environ):
+            os.environ.pop("WORLD_SIZE", None)
+            with self.assertRaisesRegex(ValueError, "torchrun --nproc-per-node 2"):
+                Engine(enable_dp_attention=True, dp_size=2, device="cpu")
 
     def test_unknown_engine_argument(self):
         with self.assertRaisesRegex(

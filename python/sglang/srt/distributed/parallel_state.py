@@ -4,16 +4,17 @@ check that the ranks agree before they run collectives that assume it.
 
 Every group is made with a timeout (ServerArgs ``dist_timeout`` when the
 Engine builds them), so a rank that dies or stalls makes the others raise
-instead of hanging. Besides the EP group (the MoE all-reduce) there is a
-gloo group on the CPU for small control messages (the agreement digests),
-as upstream keeps a ``cpu_group`` next to each device group.
+instead of hanging. Besides the EP group (the MoE's collectives) there is
+a gloo group on the CPU for small control messages (the agreement digests,
+data-parallel attention's per-step counts), as upstream keeps a
+``cpu_group`` next to each device group.
 """
 
 import hashlib
 import json
 import socket
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,12 +48,19 @@ def init_distributed_environment(
 
 
 def init_parallel_from_distributed(
-    *, moe_ep_size: Optional[int] = None, timeout_s: float = 60.0
+    *,
+    moe_ep_size: Optional[int] = None,
+    attn_dp_size: int = 1,
+    moe_a2a_backend: str = "none",
+    timeout_s: float = 60.0,
 ) -> ParallelContext:
     """Build the groups and record them in ``get_parallel()`` for the process.
 
     The world is one TP group and one EP group (both span every rank), the
-    layout of an EP-only MoE deployment; ``moe_ep_size`` defaults to the world.
+    layout of an EP-only MoE deployment; ``moe_ep_size`` defaults to the
+    world. With ``attn_dp_size`` > 1 (it must then be the world too) each
+    rank is also a data-parallel attention rank: it decodes its own
+    requests, and the MoE moves rows between ranks by ``moe_a2a_backend``.
     Every rank must call this, in the same order (new groups are collective).
     """
     global _MOE_EP_CPU_GROUP
@@ -63,6 +71,17 @@ def init_parallel_from_distributed(
     if ep_size != world:
         raise ValueError(
             f"moe_ep_size={ep_size} must equal the world size {world} in this slice"
+        )
+    if attn_dp_size not in (1, world):
+        raise ValueError(
+            f"dp_size={attn_dp_size} must equal the world size {world} (one DP "
+            f"attention rank per process) in this slice"
+        )
+    if moe_a2a_backend != "none" and attn_dp_size == 1:
+        raise ValueError(
+            f"moe_a2a_backend={moe_a2a_backend!r} dispatches each rank's own rows: "
+            f"it needs enable_dp_attention (without it every rank holds the same "
+            f"rows and the MoE all-reduces)"
         )
     group = None
     if ep_size > 1:
@@ -78,6 +97,10 @@ def init_parallel_from_distributed(
         moe_ep_size=ep_size,
         moe_ep_rank=rank,
         moe_ep_group=group,
+        enable_dp_attention=attn_dp_size > 1,
+        attn_dp_size=attn_dp_size,
+        attn_dp_rank=rank if attn_dp_size > 1 else 0,
+        moe_a2a_backend=moe_a2a_backend,
     )
     return parallel
 
@@ -100,39 +123,43 @@ def digest_of(value: Any) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
+def _gathered(gather, *, what: str):
+    """Run ``gather``; a rank that is dead, or does not reach the same call
+    within the group's timeout, makes it raise RuntimeError naming ``what``."""
+    try:
+        return gather()
+    except RuntimeError as e:  # gloo: peer closed, or timed out
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: the ranks did not all answer the {what} "
+            f"exchange (a rank died, raised, stalled past dist_timeout, or is in "
+            f"another call): {e}"
+        ) from e
+
+
 def all_gather_digests(*, digest: bytes, group, what: str) -> list:
-    """Every rank's digest, in rank order. A rank that is dead, or does not
-    reach this call within the group's timeout, makes it raise RuntimeError
-    naming ``what``."""
+    """Every rank's digest, in rank order (RuntimeError naming ``what`` when
+    a rank does not answer in time)."""
     if len(digest) != DIGEST_BYTES:
         raise ValueError(f"digest must be {DIGEST_BYTES} bytes, got {len(digest)}")
-    mine = torch.tensor(list(digest), dtype=torch.uint8)  # [32]
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    try:
-        dist.all_gather(gathered, mine, group=group)
-    except RuntimeError as e:  # gloo: peer closed, or timed out
-        raise RuntimeError(
-            f"EP rank {dist.get_rank()}: the ranks did not all answer the {what} "
-            f"check (a rank died, stalled past dist_timeout, or is in another "
-            f"call): {e}"
-        ) from e
-    return [bytes(t.tolist()) for t in gathered]
+    rows = all_gather_ints(values=list(digest), group=group, what=what)
+    return [bytes(r) for r in rows]
 
 
-def all_gather_int(*, value: int, group, what: str) -> list:
-    """Every rank's ``value``, in rank order (a gloo all-gather of one int);
-    RuntimeError naming ``what`` when a rank does not answer in time."""
-    mine = torch.tensor([value], dtype=torch.int64)
+def all_gather_ints(*, values: List[int], group, what: str) -> List[List[int]]:
+    """Every rank's ``values`` (the same length on every rank), in rank
+    order: one gloo all-gather; RuntimeError naming ``what`` when a rank does
+    not answer in time."""
+    mine = torch.tensor(values, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    try:
-        dist.all_gather(gathered, mine, group=group)
-    except RuntimeError as e:  # gloo: peer closed, or timed out
-        raise RuntimeError(
-            f"EP rank {dist.get_rank()}: the ranks did not all answer the {what} "
-            f"exchange (a rank died, stalled past dist_timeout, or is in another "
-            f"call): {e}"
-        ) from e
-    return [int(t) for t in gathered]
+    _gathered(lambda: dist.all_gather(gathered, mine, group=group), what=what)
+    return [t.tolist() for t in gathered]
+
+
+def all_gather_objects(*, obj: Any, group, what: str) -> list:
+    """Every rank's picklable ``obj``, in rank order."""
+    out: list = [None] * dist.get_world_size(group)
+    _gathered(lambda: dist.all_gather_object(out, obj, group=group), what=what)
+    return out
 
 
 def check_ranks_agree(*, digest: bytes, group, what: str) -> None:

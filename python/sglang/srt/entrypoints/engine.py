@@ -11,18 +11,27 @@ Failure handling (see the README's "Failure handling"):
   again from inside its own ``progress`` callback is a RuntimeError;
 - under expert parallelism the ranks agree on the configuration and seed at
   start-up and on the requests of every call, or all of them raise
-  ValueError; every collective has ``dist_timeout``.
+  ValueError; every collective has ``dist_timeout``;
+- under data-parallel attention (``enable_dp_attention=True, dp_size=N``, one
+  engine per rank of an N-process world: ``torchrun --nproc-per-node N``)
+  every rank is given the same requests, decodes its share (index ``i`` on
+  rank ``i % N``) and returns every request's result. A rank whose call
+  fails (an exception, or a peer that raised, died or stalled past
+  ``dist_timeout``) leaves the group out of step: its later calls raise.
 """
 
 import dataclasses
 import itertools
+import os
 import threading
+from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from sglang.srt.distributed.parallel_state import (
+    all_gather_objects,
     check_ranks_agree,
     digest_of,
     get_moe_ep_cpu_group,
@@ -138,7 +147,12 @@ class Engine:
             max_running_requests=args.max_running_requests,
             vocab_size=cfg.vocab_size,
             eos_token_id=args.eos_token_id,
+            dp_group=self._check_group if args.enable_dp_attention else None,
         )
+        # Data-parallel attention: this rank and the number of ranks.
+        self.dp_rank = dist.get_rank() if args.enable_dp_attention else 0
+        self.dp_size = args.dp_size
+        self._dp_failure: Optional[BaseException] = None
         self._rids = itertools.count()
         self._lock = threading.Lock()
         self._lock_owner: Optional[int] = None  # thread id inside generate()
@@ -150,12 +164,35 @@ class Engine:
     def _init_expert_parallel(args: ServerArgs):
         """On a distributed world, build the EP groups with ``dist_timeout``
         and check that every rank got the same configuration and seed; return
-        the group the per-call checks use (None on one process)."""
+        the group the per-call checks use (None on one process). Under DP
+        attention a world of ``dp_size`` ranks is required; launched by
+        torchrun (its environment set), the engine joins it."""
+        if args.enable_dp_attention and not dist.is_initialized():
+            if "WORLD_SIZE" not in os.environ:
+                raise ValueError(
+                    f"enable_dp_attention with dp_size={args.dp_size} needs "
+                    f"{args.dp_size} ranks, one engine each: launch with "
+                    f"torchrun --nproc-per-node {args.dp_size}, or call "
+                    f"torch.distributed.init_process_group first"
+                )
+            dist.init_process_group(
+                "gloo", timeout=timedelta(seconds=args.dist_timeout)
+            )
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        if dist.get_world_size() == 1:
+        world = dist.get_world_size()
+        if args.enable_dp_attention and world != args.dp_size:
+            raise ValueError(
+                f"dp_size={args.dp_size} but the torch.distributed world has "
+                f"{world} ranks: one DP attention rank per process"
+            )
+        if world == 1:
             return None
-        init_parallel_from_distributed(timeout_s=args.dist_timeout)
+        init_parallel_from_distributed(
+            attn_dp_size=args.dp_size,
+            moe_a2a_backend=args.moe_a2a_backend,
+            timeout_s=args.dist_timeout,
+        )
         group = get_moe_ep_cpu_group()
         check_ranks_agree(
             digest=_config_digest(args),
@@ -196,6 +233,12 @@ class Engine:
 
     def _generate_locked(self, input_ids, sampling_params, progress) -> List[Dict]:
         scheduler = self.scheduler
+        if self._dp_failure is not None:
+            raise RuntimeError(
+                f"DP attention rank {self.dp_rank}: an earlier call failed "
+                f"({self._dp_failure!r}), so the ranks' collectives are out of "
+                f"step; restart every rank"
+            )
         if self._unclean:
             scheduler.abort_requests(self._unclean)
             self._unclean = []
@@ -227,25 +270,38 @@ class Engine:
                     raise
         if error is not None:
             raise error
-        self._unclean = reqs
+        mine = reqs[self.dp_rank :: self.dp_size]  # all of them without DP
+        self._unclean = mine
         try:
-            for req in reqs:
+            for req in mine:
                 scheduler.add_request(req)
+            scheduler.start_round()
             committed = 0
             while scheduler.has_work():
                 scheduler.step()
                 if progress is not None:
-                    now = sum(len(r.output_ids) for r in reqs)
+                    now = sum(len(r.output_ids) for r in mine)
                     progress(now - committed)
                     committed = now
-        except BaseException:
+            results = [self._result(r) for r in mine]
+            if self.dp_size > 1:  # every rank returns every request's result
+                shares = all_gather_objects(
+                    obj=results, group=self._check_group, what="DP results"
+                )
+                results = [
+                    shares[i % self.dp_size][i // self.dp_size]
+                    for i in range(len(reqs))
+                ]
+        except BaseException as e:
             # Whatever ended the call: its requests give back every row and
             # slot before the exception leaves generate().
-            scheduler.abort_requests(reqs)
+            scheduler.abort_requests(mine)
             self._unclean = []
+            if self.dp_size > 1:
+                self._dp_failure = e
             raise
         self._unclean = []
-        return [self._result(r) for r in reqs]
+        return results
 
     def _make_requests(self, input_ids, sampling_params) -> List[Req]:
         """Validated requests (token ids as Python ints), or ValueError naming

@@ -195,6 +195,11 @@ class ScheduleBatch:
     to device. ``seq_lens_cpu`` mirrors ``seq_lens`` on the host (the worker
     advances it from what each step reads back), so a step never reads the
     device to size its attention.
+
+    Under data-parallel attention the scheduler stamps each step's batch
+    with every DP rank's counts (``Scheduler``'s per-step sync), so that all
+    ranks run the same forwards; a rank with no running request steps an
+    ``idle`` batch.
     """
 
     reqs: List[Req]
@@ -203,6 +208,13 @@ class ScheduleBatch:
     last_ids: torch.Tensor  # [bs] int64, the bonus token: next step's anchor
     sampling_info: SamplingBatchInfo
     seq_lens_cpu: List[int]
+    # Data-parallel attention, per DP rank in rank order; None without it.
+    global_num_tokens: Optional[List[int]] = None  # running requests
+    global_num_tokens_for_logprob: Optional[List[int]] = None
+    # Each rank's verify tier (``local_verify_tier_num_tokens``; -1: no
+    # budget, 0: idle).
+    global_verify_tier_num_tokens: Optional[List[int]] = None
+    can_run_dp_cuda_graph: bool = False
 
     @classmethod
     def from_reqs(cls, reqs: List[Req], device) -> "ScheduleBatch":
@@ -224,9 +236,27 @@ class ScheduleBatch:
             seq_lens_cpu=seq_lens,
         )
 
+    @classmethod
+    def idle(cls, device) -> "ScheduleBatch":
+        """No request: what a DP rank with nothing running steps, so that
+        its MoE joins the other ranks' collectives."""
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(
+            reqs=[],
+            req_pool_indices=empty,
+            seq_lens=empty.clone(),
+            last_ids=empty.clone(),
+            sampling_info=SamplingBatchInfo.from_temperatures([]),
+            seq_lens_cpu=[],
+        )
+
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.reqs
 
     @property
     def sampling_mode(self) -> SamplingMode:

@@ -13,6 +13,18 @@ request running and the batch rebuilt from host state, and
 free lists from the requests still running so an interrupt anywhere (even
 inside a release) leaks nothing. ``check_pool_accounting`` states the
 invariant: free + held == total, for request rows and for KV slots.
+
+Data-parallel attention (``dp_group`` given): each rank schedules its own
+requests, but every model forward is collective (the MoE's), so all ranks
+run the same forwards in the same order. Each step the ranks gather, on
+the CPU group, whether they have work and the prompt lengths they admit
+(upstream's MLP sync of a prefill batch): every rank runs as many prefill
+forwards as the busiest, idle forwards (``ForwardMode.IDLE``, one masked
+row) where it has none. Then they gather their running requests and verify
+tiers (of a decode batch), and every rank steps a decode of the same shape,
+an idle batch where it runs nothing. ``has_work`` stays true on every rank
+until a step's sync finds all of them done. A collective that fails (a
+rank raised, died or stalled past the timeout) raises on every rank.
 """
 
 import time
@@ -20,7 +32,9 @@ from collections import deque
 from typing import Deque, Iterable, List, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 
+from sglang.srt.distributed.parallel_state import all_gather_ints
 from sglang.srt.managers.schedule_batch import (
     Req,
     ScheduleBatch,
@@ -37,9 +51,16 @@ class DecodeWorker(Protocol):
     device: torch.device
     lookahead: int  # KV positions a step may write past the last token
 
-    def prefill(self, *, req: Req) -> int: ...
+    def prefill(
+        self, *, req: Req, global_num_tokens: Optional[List[int]] = None
+    ) -> int: ...
 
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput: ...
+
+    # Data-parallel attention only:
+    def idle_prefill(self, *, global_num_tokens: List[int]) -> None: ...
+
+    def local_verify_tier(self, batch: ScheduleBatch) -> int: ...
 
 
 class Scheduler:
@@ -52,6 +73,7 @@ class Scheduler:
         max_running_requests: int,
         vocab_size: int,
         eos_token_id: Optional[int] = None,
+        dp_group=None,
     ) -> None:
         self.worker = worker
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
@@ -64,6 +86,12 @@ class Scheduler:
         self._admitting: List[Req] = []  # popped from waiting, not yet running
         self._batch: Optional[ScheduleBatch] = None
         self.decode_step_times: List[float] = []
+        # Data-parallel attention: the CPU group the ranks sync steps on; the
+        # most requests a step admits (the sync's fixed width).
+        self.dp_group = dp_group
+        self._dp_max_admit = max_running_requests
+        self._dp_busy = False  # some rank had work at the last sync
+        self.num_dp_steps = 0
 
     def kv_need(self, req: Req) -> int:
         """Slots a request may touch: prompt, outputs but the last (it never
@@ -106,14 +134,24 @@ class Scheduler:
         req.origin_input_ids = ids
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests wait or run here; under DP attention also while any rank
+        had work at the last step's sync (all ranks step until all are done)."""
+        return bool(self.waiting or self.running) or self._dp_busy
 
-    def _admit(self) -> None:
-        """Move waiting requests into ``_admitting``, each with its row, slots
-        and first token; ``step`` moves them on even when this raises."""
+    def start_round(self) -> None:
+        """Under DP attention, before the steps of a round of requests (an
+        ``Engine.generate`` call): every rank steps at least once, even one
+        given no request, so that the first sync finds who has work."""
+        self._dp_busy = self.dp_group is not None
+
+    def _admit(self, *, prefill: bool = True) -> None:
+        """Move waiting requests into ``_admitting``, each with its row and
+        slots, and (``prefill``) its first token; ``step`` moves them on even
+        when this raises."""
         while (
             self.waiting
             and len(self.running) + len(self._admitting) < self.max_running_requests
+            and len(self._admitting) < self._dp_max_admit
             and self.req_to_token_pool.available() > 0
             and self.allocator.available() >= self.kv_need(self.waiting[0])
         ):
@@ -125,8 +163,15 @@ class Scheduler:
             table[req.req_pool_idx, : len(req.kv_slots)] = torch.tensor(
                 req.kv_slots, device=table.device
             )
+            if prefill:
+                self._prefill(req)
+
+    def _prefill(self, req: Req, global_num_tokens: Optional[List[int]] = None):
+        if global_num_tokens is None:
             first = self.worker.prefill(req=req)
-            req.append_tokens([int(first)], self.eos_token_id)
+        else:  # every DP rank's prompt this forward
+            first = self.worker.prefill(req=req, global_num_tokens=global_num_tokens)
+        req.append_tokens([int(first)], self.eos_token_id)
 
     def _join(self) -> List[Req]:
         """Admitted requests join the running batch; those finished by their
@@ -169,6 +214,8 @@ class Scheduler:
 
     def step(self) -> List[Req]:
         """Admit, prefill, decode once; return the requests finished by it."""
+        if self.dp_group is not None:
+            return self._step_dp()
         try:
             self._admit()
         finally:
@@ -177,21 +224,77 @@ class Scheduler:
         if self.waiting and not self.running and not finished:
             self._raise_if_stuck()
         if self.running:
-            try:
-                finished.extend(self._decode())
-            except BaseException:
-                # The batch's device state may be half-advanced; the requests'
-                # host state is whole, so the batch is rebuilt from it.
-                self._batch = None
-                raise
+            finished.extend(self._decode(self._running_batch()))
         return finished
 
-    def _decode(self) -> List[Req]:
+    def _dp_sync(self, values: List[int], what: str) -> List[List[int]]:
+        return all_gather_ints(values=values, group=self.dp_group, what=what)
+
+    def _step_dp(self) -> List[Req]:
+        """One step in lockstep with the other DP ranks (see the module doc)."""
+        try:
+            return self._step_in_lockstep()
+        except RuntimeError as e:  # a collective failed, here or at a peer
+            raise RuntimeError(
+                f"DP attention rank {dist.get_rank()}: step {self.num_dp_steps} "
+                f"did not complete, and the ranks' collectives are now out of "
+                f"step (a rank raised, died or stalled past dist_timeout): {e}"
+            ) from e
+
+    def _step_in_lockstep(self) -> List[Req]:
+        self._admit(prefill=False)
+        lens = [len(r.origin_input_ids) for r in self._admitting]
+        busy = bool(self.waiting or self.running or self._admitting)
+        pad = [0] * (self._dp_max_admit - len(lens))
+        ranks = self._dp_sync([int(busy), len(lens)] + lens + pad, "DP step start")
+        self._dp_busy = any(r[0] for r in ranks)
+        if not self._dp_busy:
+            return []
+        self.num_dp_steps += 1
+        try:
+            for i in range(max(r[1] for r in ranks)):
+                counts = [r[2 + i] for r in ranks]  # every rank's prompt
+                if i < len(lens):
+                    self._prefill(self._admitting[i], counts)
+                else:
+                    self.worker.idle_prefill(global_num_tokens=counts)
+        finally:
+            finished = self._join()
+        if self.waiting and not self.running and not finished:
+            self._raise_if_stuck()
+        batch = (
+            self._running_batch()
+            if self.running
+            else ScheduleBatch.idle(self.worker.device)
+        )
+        tier = self.worker.local_verify_tier(batch)
+        ranks = self._dp_sync([batch.batch_size, tier], "DP decode step")
+        global_bs = [r[0] for r in ranks]
+        if max(global_bs) == 0:
+            return finished
+        batch.global_num_tokens = global_bs
+        batch.global_num_tokens_for_logprob = list(global_bs)
+        batch.global_verify_tier_num_tokens = [r[1] for r in ranks]
+        finished.extend(self._decode(batch))
+        return finished
+
+    def _running_batch(self) -> ScheduleBatch:
         if self._batch is None:
             self._batch = ScheduleBatch.from_reqs(self.running, self.worker.device)
+        return self._batch
+
+    def _decode(self, batch: ScheduleBatch) -> List[Req]:
         start = time.perf_counter()
-        out = self.worker.decode_step(batch=self._batch)
-        if self._batch.seq_lens.is_cuda:
+        try:
+            out = self.worker.decode_step(batch=batch)
+        except BaseException:
+            # The batch's device state may be half-advanced; the requests'
+            # host state is whole, so the batch is rebuilt from it.
+            self._batch = None
+            raise
+        if batch.is_idle:
+            return []
+        if batch.seq_lens.is_cuda:
             torch.cuda.synchronize()
         self.decode_step_times.append(time.perf_counter() - start)
         verified = out.verified_drafts or [0] * len(self.running)
@@ -220,6 +323,7 @@ class Scheduler:
         running = [r for r in self.running if id(r) not in gone]
         if len(running) != len(self.running):
             self.running, self._batch = running, None
+        self._dp_busy = False  # an aborted round ends here
         for req in reqs:
             if not req.finished:
                 req.finished_reason = "abort"

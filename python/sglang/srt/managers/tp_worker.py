@@ -4,6 +4,11 @@ A decode step: bind the batch to the step buffers (once per batch), pad it
 to its bucket, run the device step (positions and KV slots -> forward ->
 sample -> commit), then read the tokens (the step's one host read). On
 CUDA the device step is one graph replay per bucket.
+
+Under data-parallel attention a step runs at the rows of the busiest rank
+(padded to its bucket: every rank the same forward shape), with every
+rank's counts on the forward batch for the MoE; a rank with no request
+steps an idle batch of dummy rows, all masked.
 """
 
 from dataclasses import dataclass
@@ -24,11 +29,13 @@ from sglang.srt.managers.schedule_batch import (
     ScheduleBatch,
     StepOutput,
 )
+from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_INDEX
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,
     ModelOutput,
+    fill_mlp_sync_metadata,
     target_num_token_non_padded,
 )
 from sglang.srt.model_executor.graph_runner import GraphRunner
@@ -140,11 +147,58 @@ class TpModelWorker:
         )
         self.graph_runner.capture(lambda rows: list(SamplingMode))
 
-    def prefill(self, *, req: Req) -> int:
-        return self.forward_prefill(req=req)[0]
+    def prefill(
+        self, *, req: Req, global_num_tokens: Optional[List[int]] = None
+    ) -> int:
+        return self.forward_prefill(req=req, global_num_tokens=global_num_tokens)[0]
+
+    def idle_prefill(self, *, global_num_tokens: List[int]) -> None:
+        """A DP rank with no prompt where others prefill one: an idle
+        forward of one dummy row (the dummy request's scratch slot), masked,
+        so that its MoE joins theirs."""
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.IDLE,
+            batch_size=1,
+            tokens_per_req=1,
+            input_ids=zero,
+            positions=zero,
+            out_cache_loc=zero,  # the scratch slot
+            req_pool_indices=torch.full_like(zero, DUMMY_REQ_INDEX),
+            kv_lens=torch.ones_like(zero),
+            num_token_non_padded=target_num_token_non_padded(
+                0, self._prefill_scalar, self.device
+            ),
+            num_token_non_padded_cpu=0,
+            req_to_token_pool=self.model_runner.req_to_token_pool,
+            token_to_kv_pool=self.model_runner.token_to_kv_pool,
+            max_kv_len=1,
+        )
+        self._fill_prefill_sync(forward_batch, global_num_tokens)
+        self.model_runner.forward(forward_batch)
+
+    def _fill_prefill_sync(self, forward_batch, global_num_tokens) -> None:
+        if global_num_tokens is not None:  # every rank's prompt tokens
+            fill_mlp_sync_metadata(
+                forward_batch,
+                global_counts=global_num_tokens,
+                global_counts_for_logprob=global_num_tokens,
+                num_tokens_per_req=1,
+                num_tokens_for_logprob_per_req=1,
+                can_run_dp_cuda_graph=False,  # prefill runs eagerly
+                device=self.device,
+            )
+
+    def local_verify_tier(self, batch: ScheduleBatch) -> int:
+        """A plain step verifies nothing: no budget (-1), or idle (0)."""
+        return 0 if batch.is_idle else -1
 
     def forward_prefill(
-        self, *, req: Req, capture_hidden: bool = False
+        self,
+        *,
+        req: Req,
+        capture_hidden: bool = False,
+        global_num_tokens: Optional[List[int]] = None,
     ) -> tuple[int, ModelOutput, ForwardBatch]:
         """Run the prompt (eagerly); return the first output token, the model
         output and the batch (its positions and slots)."""
@@ -165,6 +219,7 @@ class TpModelWorker:
             num_token_non_padded_buffer=self._prefill_scalar,
             max_kv_len=n,
         )
+        self._fill_prefill_sync(forward_batch, global_num_tokens)
         out = self.model_runner.forward(forward_batch)
         first = sample_tokens(
             logits=out.logits[-1:],
@@ -185,17 +240,32 @@ class TpModelWorker:
         buffers, runner, mode = self.buffers, self.graph_runner, batch.sampling_mode
         with self.spans("prepare"):
             buffers.state.bind(batch, buffers.at(bs).state)
-            rows = runner.padded_size(bs)
+            rows = runner.padded_size(dp_rows(batch))
             if rows > bs:
                 buffers.state.pad(bs)
             v = buffers.at(rows)
-            v.forward_batch.num_token_non_padded = target_num_token_non_padded(
+            fb = v.forward_batch
+            fb.num_token_non_padded = target_num_token_non_padded(
                 bs, buffers.num_token_non_padded, self.device
             )
-            v.forward_batch.num_token_non_padded_cpu = bs
+            fb.num_token_non_padded_cpu = bs
+            fb.forward_mode = ForwardMode.IDLE if batch.is_idle else ForwardMode.DECODE
+            if batch.global_num_tokens is not None:
+                batch.can_run_dp_cuda_graph = runner.is_graphed(rows)
+                fill_mlp_sync_metadata(
+                    fb,
+                    global_counts=batch.global_num_tokens,
+                    global_counts_for_logprob=batch.global_num_tokens_for_logprob,
+                    num_tokens_per_req=1,
+                    num_tokens_for_logprob_per_req=1,
+                    can_run_dp_cuda_graph=batch.can_run_dp_cuda_graph,
+                    device=self.device,
+                )
             if mode is not SamplingMode.GREEDY:
                 draw_log_exp1_(v.log_e, self.generator)
-        runner.run(rows=rows, variant=mode, max_kv_len=max(batch.seq_lens_cpu))
+        runner.run(
+            rows=rows, variant=mode, max_kv_len=max(batch.seq_lens_cpu, default=1)
+        )
         with self.spans("output"):
             tokens = _read_tokens(batch.last_ids)
             for i in range(bs):
@@ -231,6 +301,14 @@ class TpModelWorker:
                     scratch=v.scratch,
                 )
             state.seq_lens.add_(1)
+
+
+def dp_rows(batch: ScheduleBatch) -> int:
+    """The requests a step is shaped for: under DP attention the busiest
+    rank's (every rank pads to the same rows), else the batch's own."""
+    if batch.global_num_tokens is None:
+        return batch.batch_size
+    return max(batch.global_num_tokens)
 
 
 def _read_tokens(ids: torch.Tensor) -> List[int]:

@@ -19,7 +19,7 @@ then still given for every place, the other fields for the rows run.
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
@@ -90,6 +90,38 @@ def target_num_token_non_padded(
     return buffer.fill_(num_tokens)
 
 
+def fill_mlp_sync_metadata(
+    forward_batch,
+    *,
+    global_counts: Sequence[int],
+    global_counts_for_logprob: Sequence[int],
+    num_tokens_per_req: int,
+    num_tokens_for_logprob_per_req: int,
+    can_run_dp_cuda_graph: bool,
+    device,
+) -> None:
+    """A forward's data-parallel sync fields, from every rank's raw counts
+    (requests on a decode step; tokens, with widths 1, on a prefill) scaled
+    into this forward's rows per request. The device copies are skipped
+    when a CUDA graph runs the batch, else uploaded."""
+    gnt = [int(n) * num_tokens_per_req for n in global_counts]
+    gnt_logprob = [
+        int(n) * num_tokens_for_logprob_per_req for n in global_counts_for_logprob
+    ]
+    forward_batch.original_global_num_tokens_cpu = list(global_counts)
+    forward_batch.global_num_tokens_cpu = gnt
+    forward_batch.global_num_tokens_for_logprob_cpu = gnt_logprob
+    forward_batch.can_run_dp_cuda_graph = can_run_dp_cuda_graph
+    if can_run_dp_cuda_graph:
+        forward_batch.global_num_tokens_gpu = None
+        forward_batch.global_num_tokens_for_logprob_gpu = None
+    else:
+        forward_batch.global_num_tokens_gpu = torch.tensor(gnt).to(device)
+        forward_batch.global_num_tokens_for_logprob_gpu = torch.tensor(gnt_logprob).to(
+            device
+        )
+
+
 @dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
@@ -119,6 +151,19 @@ class ForwardBatch:
     # [num_tokens] int64: each row's place in the [bs, tokens_per_req] grid,
     # ascending; None: every place is a row, in order.
     query_index: Optional[torch.Tensor] = None
+    # Data-parallel attention (``fill_mlp_sync_metadata``); None without it.
+    # Every DP rank's real rows in this forward, in rank order: what the MoE
+    # gather sizes its buffer by.
+    global_num_tokens_cpu: Optional[List[int]] = None
+    # The unscaled per-rank counts they came from (requests, for a decode
+    # step; what graph-bucket admission reads).
+    original_global_num_tokens_cpu: Optional[List[int]] = None
+    global_num_tokens_for_logprob_cpu: Optional[List[int]] = None
+    # Device copies; None when a CUDA graph runs the batch (its own buffers
+    # hold them).
+    global_num_tokens_gpu: Optional[torch.Tensor] = None
+    global_num_tokens_for_logprob_gpu: Optional[torch.Tensor] = None
+    can_run_dp_cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         places = self.batch_size * self.tokens_per_req

@@ -23,12 +23,13 @@ class StepBuffers(Generic[V]):
         self._views: Dict[Hashable, Any] = {}
 
     def at(self, bs: int) -> V:
-        """The views of the first ``bs`` rows (built on first use, then kept)."""
+        """The views of the first ``bs`` rows (built on first use, then kept);
+        0 rows bind an idle DP rank's empty batch."""
         views = self._views.get(bs)
         if views is None:
-            if not 1 <= bs <= self.max_batch_size:
+            if not 0 <= bs <= self.max_batch_size:
                 raise ValueError(
-                    f"batch of {bs} does not fit the step buffers (1 to "
+                    f"batch of {bs} does not fit the step buffers (0 to "
                     f"max_batch_size={self.max_batch_size})"
                 )
             views = self._views[bs] = self._cut(bs)

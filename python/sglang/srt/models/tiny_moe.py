@@ -137,7 +137,9 @@ class TinyMoEDecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(hidden), forward_batch, metadata)
         hidden = attn.add_(hidden)  # a fresh tensor: the residual adds in place
         moe_out = self.mlp(
-            self.post_attention_layernorm(hidden), forward_batch.num_token_non_padded
+            self.post_attention_layernorm(hidden),
+            forward_batch.num_token_non_padded,
+            forward_batch=forward_batch,
         )
         return moe_out.add_(hidden)
 

@@ -75,7 +75,7 @@ def _count_expert_pairs(engine) -> list:
 def _run(engine) -> dict:
     scalars = {"draft": [], "verify": []}
     for name, runner in (
-        ("draft", engine.worker.proposer.draft_runner),
+        ("draft", engine.worker.proposer.draft_model_runner),
         ("verify", engine.worker.target_worker.model_runner),
     ):
         original = runner.forward

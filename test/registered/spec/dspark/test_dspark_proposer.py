@@ -44,7 +44,7 @@ class TestDraftBlockProposer(CustomTestCase):
         self.gamma = self.engine.dspark_config.gamma
         self.mask_id = self.engine.dspark_config.mask_token_id
         self.seen = []  # the draft ForwardBatches the proposer built
-        runner = self.proposer.draft_runner
+        runner = self.proposer.draft_model_runner
         original = runner.forward
 
         self.base_logits = []  # what the draft forward returned

@@ -1,8 +1,11 @@
 """MoE FFN whose experts are split over the EP group.
 
-Every rank holds ``num_experts / ep_size`` experts and sees the same rows;
-it computes its experts' share and one all-reduce over the EP group sums
-the shares. Two ways to compute the share, the same function:
+Every rank holds ``num_experts / ep_size`` experts. The rows reach them
+through a dispatcher (``token_dispatcher``): without DP attention every rank
+sees the same rows and one all-reduce over the EP group sums the shares;
+with it each rank brings its own rows, gathered from every rank or sent
+all-to-all only where their experts live. Two ways to compute a rank's
+share of the rows it gets, the same function:
 
 - dense (``T * E_local <= dense_max_row_experts``, always on CUDA, so also
   under CUDA-graph capture, and under ``torch.compile``): every local expert on every row in two matmuls
@@ -20,17 +23,15 @@ the shares. Two ways to compute the share, the same function:
   exactly 0. Past the threshold the dense path's E_local / top_k times
   more multiply-adds cost more than the grouped path's extra ops (sort,
   gather, scatter-add).
-
-The all-reduce always carries the whole [T, H] tensor.
 """
 
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.moe.token_dispatcher import make_dispatcher
 from sglang.srt.layers.moe.topk import TopKOutput, select_experts
 from sglang.srt.runtime_context import get_parallel
 
@@ -62,6 +63,15 @@ class EPMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.intermediate_size = intermediate_size
         self.num_local = num_experts // self.ep_size
+        # None on one rank; its stats count what this layer sends.
+        self.dispatcher = make_dispatcher(
+            group=self.ep_group,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            num_local=self.num_local,
+            enable_dp_attention=parallel.enable_dp_attention,
+            a2a_backend=parallel.moe_a2a_backend,
+        )
         self.first_local = self.ep_rank * self.num_local
         self.dense_max_row_experts = DENSE_MAX_ROW_EXPERTS
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
@@ -114,8 +124,11 @@ class EPMoE(nn.Module):
         )
         self._derived_key = key
 
-    def forward(self, x: torch.Tensor, num_token_non_padded=None) -> torch.Tensor:
-        # x: [T, H]
+    def forward(
+        self, x: torch.Tensor, num_token_non_padded=None, forward_batch=None
+    ) -> torch.Tensor:
+        """x: [T, H]. ``forward_batch`` (the forward's, for its DP counts and
+        mode) is needed under DP attention only."""
         topk = select_experts(
             router_logits=self.gate(x),
             top_k=self.top_k,
@@ -124,6 +137,16 @@ class EPMoE(nn.Module):
         masked = num_token_non_padded is not None
         if not torch.compiler.is_compiling():  # compiled code reads them as made
             self._derived_weights()
+        if self.dispatcher is None:
+            return self._experts(x, topk, masked=masked)
+        rows, routed, handle = self.dispatcher.dispatch(x, topk, forward_batch)
+        out = self._experts(rows, routed, masked=masked or self.dispatcher.masked_rows)
+        return self.dispatcher.combine(out, handle, forward_batch)
+
+    def _experts(
+        self, x: torch.Tensor, topk: TopKOutput, *, masked: bool
+    ) -> torch.Tensor:
+        """This rank's experts' share of every row of ``x``."""
         # CUDA and torch.compile: always dense (static shapes for capture, no
         # host read; the grouped matmul has no CPU compile support).
         if (
@@ -131,12 +154,8 @@ class EPMoE(nn.Module):
             or torch.compiler.is_compiling()
             or x.shape[0] * self.num_local <= self.dense_max_row_experts
         ):
-            out = self._forward_dense(x, topk, masked=masked)
-        else:
-            out = self._forward_grouped(x, topk, masked=masked)
-        if self.ep_size > 1:
-            dist.all_reduce(out, group=self.ep_group)
-        return out
+            return self._forward_dense(x, topk, masked=masked)
+        return self._forward_grouped(x, topk, masked=masked)
 
     def _routing_weights(self, topk: TopKOutput, *, masked: bool) -> torch.Tensor:
         """[T, E_local]: each row's weight for each local expert; 0 for the

@@ -7,7 +7,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.layers.sampler import SamplingMode
-from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
+from sglang.srt.model_executor.forward_batch_info import (
+    enable_num_token_non_padded,
+    fill_mlp_sync_metadata,
+)
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.phases import PhaseSpans
 
 if TYPE_CHECKING:
@@ -52,6 +56,15 @@ def _make_num_token_non_padded(
 
 
 @dataclass(frozen=True)
+class DraftBlockSpecInfo:
+    """The draft block's rows per request: what scales every DP rank's
+    request count into its draft-forward rows."""
+
+    num_tokens_per_req: int  # gamma
+    num_tokens_for_logprob_per_req: int = 1
+
+
+@dataclass(frozen=True)
 class DraftProposal:
     """Views of the step buffers: valid until the next step."""
 
@@ -70,13 +83,17 @@ class DraftBlockProposer:
         self,
         *,
         draft_model: "DSparkDraftModel",
-        draft_runner: "ModelRunner",
+        draft_model_runner: "ModelRunner",
         config: "DSparkConfig",
         device,
         spans: Optional[PhaseSpans] = None,
     ) -> None:
-        self.draft_model, self.draft_runner = draft_model, draft_runner
+        self.draft_model, self.draft_model_runner = draft_model, draft_model_runner
         self.gamma, self.device = config.gamma, device
+        self._draft_block_spec_info = DraftBlockSpecInfo(num_tokens_per_req=self.gamma)
+        # Under DP attention the draft's MoE syncs with the other DP ranks:
+        # its forward carries every rank's rows (the dense draft would not).
+        self._dp_moe_sync = get_parallel().enable_dp_attention
         self.spans = spans or PhaseSpans()
         # block kv_lens = the block's last position + these ones: one add.
         self._ones = torch.ones(config.gamma, dtype=torch.int64, device=device)
@@ -89,13 +106,41 @@ class DraftBlockProposer:
         """Per step, on the host, before the device step (a graph reads what
         it sets): the draft batch's ``num_token_non_padded`` for its real
         rows, filled into ``scalar`` (a 0-dim int32 buffer of the step's)
-        when EP > 1 reads it."""
+        when EP > 1 reads it; under DP attention, every rank's rows."""
         num_tokens = batch.batch_size * self.gamma
         draft_batch = views.draft_batch
         draft_batch.num_token_non_padded = _make_num_token_non_padded(
             num_tokens, self.device, out=scalar
         )
         draft_batch.num_token_non_padded_cpu = num_tokens
+        self._fill_dp_moe_sync_metadata(draft_batch, batch, scalar=scalar)
+
+    def _fill_dp_moe_sync_metadata(
+        self, forward_batch, batch, scalar: Optional[torch.Tensor] = None
+    ) -> None:
+        """Under DP attention with a MoE draft: every DP rank's request count
+        (``batch.global_num_tokens``, kept as the original counts) scaled to
+        draft rows, and this rank's ``num_token_non_padded`` for its own real
+        rows (into ``scalar`` when given). Nothing for a dense draft or
+        without the counts: the local count stands."""
+        if not self._dp_moe_sync or batch.global_num_tokens is None:
+            return
+        spec = self._draft_block_spec_info
+        device = self.draft_model_runner.device
+        fill_mlp_sync_metadata(
+            forward_batch,
+            global_counts=batch.global_num_tokens,
+            global_counts_for_logprob=batch.global_num_tokens_for_logprob,
+            num_tokens_per_req=spec.num_tokens_per_req,
+            num_tokens_for_logprob_per_req=spec.num_tokens_for_logprob_per_req,
+            can_run_dp_cuda_graph=batch.can_run_dp_cuda_graph,
+            device=device,
+        )
+        own = forward_batch.global_num_tokens_cpu[get_parallel().attn_dp_rank]
+        forward_batch.num_token_non_padded = _make_num_token_non_padded(
+            own, device, out=scalar
+        )
+        forward_batch.num_token_non_padded_cpu = own
 
     @torch.no_grad()  # the Markov head's out= ops read trainable weights
     def propose(
@@ -122,7 +167,7 @@ class DraftBlockProposer:
             batch.attn_metadata = self.draft_model.init_forward_metadata(
                 batch, verify_metadata=v.verify_batch.attn_metadata
             )
-            base = self.draft_runner.forward(batch).logits  # [bs * gamma, V]
+            base = self.draft_model_runner.forward(batch).logits  # [bs * gamma, V]
         base = base.view(-1, gamma, base.shape[-1])  # [bs, gamma, V]
         sampled = mode is not SamplingMode.GREEDY
         if sampled:

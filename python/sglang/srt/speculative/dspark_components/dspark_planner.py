@@ -6,7 +6,8 @@
   host picks it per step (``DSparkVerifyPlanner``, from the drafts'
   calibrated confidence and a measured cost table) as a token-count tier
   (``local_verify_tier_num_tokens``; across data-parallel ranks
-  ``dp_global_verify_tier_num_tokens``); on the device
+  ``dp_global_verify_tier_num_tokens`` and the step shape they agree on,
+  ``dp_verify_drafts_per_req``); on the device
   ``ScheduleVerifyLensTopk`` shares it among requests by confidence and
   ``ragged_verify_layout`` places the rows: the verify runs only those.
 """
@@ -98,6 +99,30 @@ def dp_global_verify_tier_num_tokens(
     if any(t < 0 for t in tiers) or not any(tiers):
         return None
     return max(tiers)
+
+
+def dp_verify_drafts_per_req(
+    *,
+    global_num_reqs: Sequence[int],
+    global_tier_num_tokens: Sequence[int],
+    gamma: int,
+) -> Optional[int]:
+    """Drafts per request that every DP rank verifies in a step, from what
+    they all gathered (so busy and idle ranks derive the same graph key):
+    None when every rank is idle (no step); the whole block when any rank
+    has no budget; otherwise the most that any busy rank planned (its tier
+    over its requests, less the anchor row). Each rank then runs ``rows *
+    (1 + k)`` verify rows, ``rows`` the busiest rank's requests padded:
+    at least every rank's tier, and at least every rank's plan."""
+    tier = dp_global_verify_tier_num_tokens(
+        global_tier_num_tokens=global_tier_num_tokens
+    )
+    if tier is None:
+        return gamma if any(global_num_reqs) else None
+    plans = [
+        t // n - 1 for t, n in zip(global_tier_num_tokens, global_num_reqs) if n > 0
+    ]
+    return min(max(plans), gamma)
 
 
 class ScheduleVerifyLensTopk:

@@ -28,6 +28,13 @@ Every phase, and the model's own computations inside them (``attention
 metadata``, ``draft forward``, ``verify forward``, ``context write``), runs
 in a named span of ``self.spans``: benches and profilers observe the step
 through it.
+
+Under data-parallel attention every rank runs the same step shape, its
+graph key: the busiest rank's requests padded to their bucket, and the
+drafts per request that ``dp_verify_drafts_per_req`` derives from every
+rank's verify tier (the scheduler gathers them); each forward carries every
+rank's counts for the MoE, and a rank with no request steps an idle batch
+(dummy rows, all masked) through the same code.
 """
 
 import logging
@@ -38,12 +45,14 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from sglang.srt.distributed.parallel_state import all_gather_int, get_moe_ep_cpu_group
+from sglang.srt.distributed.parallel_state import all_gather_ints, get_moe_ep_cpu_group
 from sglang.srt.layers.sampler import SamplingMode, draw_log_exp1_
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, StepOutput
-from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.tp_worker import TpModelWorker, dp_rows
 from sglang.srt.model_executor.forward_batch_info import (
     ForwardBatch,
+    ForwardMode,
+    fill_mlp_sync_metadata,
     target_num_token_non_padded,
 )
 from sglang.srt.model_executor.graph_runner import GraphRunner
@@ -65,6 +74,8 @@ from sglang.srt.speculative.dspark_components.dspark_planner import (
     DSparkVerifyPlanner,
     ScheduleVerifyLensTopk,
     VerifyWindowPlanner,
+    dp_verify_drafts_per_req,
+    local_verify_tier_num_tokens,
     ragged_verify_layout,
 )
 from sglang.srt.speculative.dspark_components.dspark_verify import accept, sample_anchor
@@ -129,7 +140,7 @@ class DSparkWorker:
         )
         self.proposer = DraftBlockProposer(
             draft_model=draft_model,
-            draft_runner=draft_runner,
+            draft_model_runner=draft_runner,
             config=config,
             device=self.device,
             spans=self.spans,
@@ -225,6 +236,8 @@ class DSparkWorker:
             generator=torch.Generator().manual_seed(0),
         ).to(self.device)
 
+        parallel = get_parallel()
+
         def run_step(bs: int, budget: int) -> None:
             state.reset()
             state.seq_lens.fill_(context)
@@ -234,6 +247,10 @@ class DSparkWorker:
                 self.buffers.set_constants(rows)
                 self._rows = rows
             budget = budget * rows // bs
+            if parallel.enable_dp_attention:  # every rank measures the same
+                v = self.buffers.at(rows)
+                for fb in (self._verify_batch(v, rows, budget), v.draft_batch):
+                    fb.global_num_tokens_cpu = [fb.num_tokens] * parallel.attn_dp_size
             self.graph_runner.run(
                 rows=rows,
                 variant=(SamplingMode.GREEDY, budget, 0 < budget < rows * self.gamma),
@@ -249,6 +266,9 @@ class DSparkWorker:
             tuple(sizes),
             repr(self.target_worker.model.config),
             repr(self.draft_model.config),
+            parallel.moe_ep_size,
+            parallel.attn_dp_size,
+            parallel.moe_a2a_backend,
         )
         table = MEASURED.get(key)
         if table is None:
@@ -263,9 +283,11 @@ class DSparkWorker:
             MEASURED[key] = table
         return table
 
-    def prefill(self, *, req: Req) -> int:
+    def prefill(
+        self, *, req: Req, global_num_tokens: Optional[List[int]] = None
+    ) -> int:
         first, out, forward_batch = self.target_worker.forward_prefill(
-            req=req, capture_hidden=True
+            req=req, capture_hidden=True, global_num_tokens=global_num_tokens
         )
         # The prompt's target hidden states become the draft's context KV.
         self.draft_model.write_context(
@@ -275,6 +297,24 @@ class DSparkWorker:
             kv_pool=self.draft_runner.token_to_kv_pool,
         )
         return first
+
+    def idle_prefill(self, *, global_num_tokens: List[int]) -> None:
+        self.target_worker.idle_prefill(global_num_tokens=global_num_tokens)
+
+    def local_verify_tier(self, batch: ScheduleBatch) -> int:
+        """This rank's verify tier for the DP sync: its requests' anchor rows
+        plus the drafts it plans to verify; -1 without a per-step plan
+        (``off`` or a fixed budget: every rank runs the same anyway), 0 idle."""
+        if batch.is_idle:
+            return 0
+        if self.planner is None:
+            return -1
+        return local_verify_tier_num_tokens(
+            bs=batch.batch_size,
+            verify_token_budget=self._local_budget(batch),
+            verify_num_draft_tokens=self.gamma + 1,
+            min_verify_len=1,
+        )
 
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
         start = time.perf_counter()
@@ -286,17 +326,21 @@ class DSparkWorker:
         with self.spans("draft"):
             rows, budget = self._prepare(batch, mode)
         # The verify's longest kv_len: the longest sequence + gamma.
-        max_kv_len = max(batch.seq_lens_cpu) + self.gamma
+        max_kv_len = max(batch.seq_lens_cpu, default=1) + self.gamma
         # Confidence for the planner's next plan, and for a ragged verify's
         # schedule.
-        observed = self.planner is not None and self.planner.wants_confidence
+        observed = (
+            self.planner is not None
+            and self.planner.wants_confidence
+            and not batch.is_idle
+        )
         confident = budget > 0 and (observed or budget < rows * self.gamma)
         self.graph_runner.run(
             rows=rows, variant=(mode, budget, confident), max_kv_len=max_kv_len
         )
         with self.spans("output"):
             out = self._output(batch, rows, budget, budget > 0 and observed)
-        if self.planner is not None:  # what the step cost, as planned
+        if self.planner is not None and bs:  # what the step cost, as planned
             real = budget * bs // rows
             seconds = time.perf_counter() - start
             self.planner.observe_cost(bs=bs, budget=real, seconds=seconds)
@@ -304,25 +348,37 @@ class DSparkWorker:
 
     def _plan(self, batch: ScheduleBatch, rows: int) -> int:
         """This step's verify budget: drafts to verify over ``rows`` rows."""
-        planner, bs = self.planner, batch.batch_size
-        if planner is None:
+        if self.planner is None:
             return self._budgets(rows)[0]
+        if batch.global_verify_tier_num_tokens is not None:
+            # DP attention: what every rank's tier, gathered, makes of it.
+            return rows * dp_verify_drafts_per_req(
+                global_num_reqs=batch.global_num_tokens,
+                global_tier_num_tokens=batch.global_verify_tier_num_tokens,
+                gamma=self.gamma,
+            )
+        return self._local_budget(batch) // batch.batch_size * rows
+
+    def _local_budget(self, batch: ScheduleBatch) -> int:
+        """The planner's budget for this rank's batch: drafts to verify over
+        its requests (a multiple of their number)."""
+        planner, bs = self.planner, batch.batch_size
         budget = planner.held(bs)
         if budget is None:
             budget = planner.plan(
                 confidence=[r.spec_draft_confidence for r in batch.reqs],
                 sampled=[r.sampling_params.temperature > 0 for r in batch.reqs],
             )
-            if get_parallel().moe_ep_group is not None:
+            parallel = get_parallel()
+            if parallel.moe_ep_group is not None and not parallel.enable_dp_attention:
                 # Every EP rank runs the same steps (their MoE all-reduces
                 # pair up): the largest of their plans, held by all.
-                budget = max(
-                    all_gather_int(
-                        value=budget, group=get_moe_ep_cpu_group(), what="verify budget"
-                    )
+                ranks = all_gather_ints(
+                    values=[budget], group=get_moe_ep_cpu_group(), what="verify budget"
                 )
+                budget = max(r[0] for r in ranks)
                 planner.hold(budget)
-        return budget // bs * rows  # drafts per request, over the padded rows
+        return budget
 
     def _prepare(self, batch: ScheduleBatch, mode: SamplingMode) -> Tuple[int, int]:
         """Host-side work before the device step: bind and pad the batch,
@@ -330,7 +386,7 @@ class DSparkWorker:
         the rows to run and the budget (drafts to verify over them)."""
         bs, buffers, g = batch.batch_size, self.buffers, self.gamma
         buffers.state.bind(batch, buffers.at(bs).state)
-        rows = self.graph_runner.padded_size(bs)
+        rows = self.graph_runner.padded_size(dp_rows(batch))
         if rows > bs:
             buffers.state.pad(bs)
         if rows != self._rows:
@@ -351,6 +407,22 @@ class DSparkWorker:
         verify.num_token_non_padded_cpu = num_tokens
         if verify.num_token_non_padded is not None and 0 < budget < rows * g:
             buffers.real_requests.fill_(bs)  # the device counts the real rows
+        idle = batch.is_idle
+        verify.forward_mode = ForwardMode.IDLE if idle else ForwardMode.TARGET_VERIFY
+        v.draft_batch.forward_mode = (
+            ForwardMode.IDLE if idle else ForwardMode.DRAFT_EXTEND_V2
+        )
+        if batch.global_num_tokens is not None:  # every DP rank's rows
+            batch.can_run_dp_cuda_graph = self.graph_runner.is_graphed(rows)
+            fill_mlp_sync_metadata(
+                verify,
+                global_counts=batch.global_num_tokens,
+                global_counts_for_logprob=batch.global_num_tokens_for_logprob,
+                num_tokens_per_req=1 + budget // rows,
+                num_tokens_for_logprob_per_req=1 + budget // rows,
+                can_run_dp_cuda_graph=batch.can_run_dp_cuda_graph,
+                device=self.device,
+            )
         if budget > 0:
             self._write_stashed_context(batch)
             self.proposer.prepare(views=v, batch=batch, scalar=buffers.draft_scalar)
