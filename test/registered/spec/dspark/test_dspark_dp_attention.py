@@ -235,7 +235,9 @@ def _failing_rank_main(rank: int, port: int, out_dir: str) -> None:
     start = time.monotonic()
     for call in ("first", "second"):
         try:
-            engine.generate(input_ids=PROMPTS, sampling_params=PARAMS, progress=progress)
+            engine.generate(
+                input_ids=PROMPTS, sampling_params=PARAMS, progress=progress
+            )
             result[call] = None
         except Exception as e:  # noqa: BLE001 - the test records the type
             result[call] = [type(e).__name__, str(e)]
@@ -271,7 +273,9 @@ class TestDpRankRaises(CustomTestCase):
             cls.results = []
             for r in range(2):
                 path = os.path.join(out_dir, f"rank{r}.json")
-                cls.results.append(json.load(open(path)) if os.path.exists(path) else None)
+                cls.results.append(
+                    json.load(open(path)) if os.path.exists(path) else None
+                )
 
     def test_the_raising_rank_reports_its_error(self):
         self.assertEqual(self.codes[1], 0)

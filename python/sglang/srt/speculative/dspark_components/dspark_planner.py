@@ -196,7 +196,9 @@ class DSparkVerifyPlanner:
     the real context). Budget 0 is a plain decode step; after
     ``explore_every`` of them in a row one step drafts again, so the
     estimates stay fresh. A plan holds for ``replan_every`` steps of the
-    same batch size (planning is host work every step would pay); the step
+    same batch size (planning is host work every step would pay), a plain
+    one for one step: the blocks' confidence behind it is spent (the worker
+    clears it), and the next plan expects the running acceptance; the step
     before the next plan reports its drafts' confidence (``wants_confidence``)
     and is observed.
     """
@@ -306,12 +308,14 @@ class DSparkVerifyPlanner:
         top = max(rates)
         best = bs * max(L for L, r in enumerate(rates) if r >= (1 - self.TIE) * top)
         if best == 0:
-            self._plain_streak += self.replan_every
+            self._plain_streak += 1
             if self._plain_streak >= self.explore_every:
                 self._plain_streak, best = 0, bs  # draft once: fresh estimates
         else:
             self._plain_streak = 0
-        self._countdown, self._last = self.replan_every - 1, (bs, best)
+        # A plain step holds one step: the confidence behind it is spent.
+        self._countdown = self.replan_every - 1 if best else 0
+        self._last = (bs, best)
         return best
 
     def observe(

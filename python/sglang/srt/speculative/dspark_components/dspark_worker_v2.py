@@ -629,8 +629,12 @@ class DSparkWorker:
             verify_lens = verify_lens.tolist()
         seq_lens = batch.seq_lens_cpu
         for i, (req, a) in enumerate(zip(batch.reqs, accept_lens)):
-            if budget == 0 and req.draft_context_from is None:
-                req.draft_context_from = seq_lens[i] - 1  # this step's anchor
+            if budget == 0:
+                if req.draft_context_from is None:
+                    req.draft_context_from = seq_lens[i] - 1  # this step's anchor
+                # Its last block's confidence was spent on this plain step:
+                # the next plan expects the running acceptance of it again.
+                req.spec_draft_confidence = None
             seq_lens[i] += a + 1
         if drafted:  # confidence: [rows][g], the real requests first
             confidence = confidence[:bs]
