@@ -217,6 +217,14 @@ def _phase_round(engines: Dict[str, Engine], prompts, params: Dict, block_steps)
     return out
 
 
+SAMPLING_FLAGS = ("top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling_extras(args: argparse.Namespace) -> Dict:
+    """The sampling parameters beyond the temperature the run was given."""
+    return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+
+
 def _num_prompts(args: argparse.Namespace, bs: int) -> int:
     if args.num_prompts is None:
         return PROMPTS_PER_REQUEST_SLOT * bs
@@ -254,7 +262,11 @@ def run(args: argparse.Namespace) -> List[Dict]:
     heldout = load_stdlib_corpus().read("heldout") if args.prompts == "stdlib" else None
     rows = []
     for temperature, bs in itertools.product(args.temperature, args.batch_size):
-        params = {"max_new_tokens": args.output_len, "temperature": temperature}
+        params = {
+            "max_new_tokens": args.output_len,
+            "temperature": temperature,
+            **_sampling_extras(args),
+        }
         num = _num_prompts(args, bs)
         if heldout is not None:
             prompts = sample_prompts(
@@ -310,6 +322,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
             "cuda_graph": plain.server_args.use_cuda_graph,
             "repeats": args.repeats,
             "block_steps": args.block_steps,
+            "sampling_params": _sampling_extras(args),
             "dp_size": dp,  # the figures are rank 0's
             "moe_a2a_backend": plain.server_args.moe_a2a_backend,
         }
@@ -393,8 +406,9 @@ def _format(r: Dict, engines: Dict[str, Engine]) -> str:
         f"{r[f'{name}_mean_step_ms']:.3f} ms/step"
         for name in ENGINES
     )
+    extras = "".join(f" {k}={v:g}" for k, v in r["sampling_params"].items())
     text = (
-        f"T={r['temperature']:g} bs={r['batch_size']:<3} {per_engine} | step cost "
+        f"T={r['temperature']:g}{extras} bs={r['batch_size']:<3} {per_engine} | step cost "
         f"dspark/plain {r['step_cost_ratio']:.3f} {ci} ({r['step_pairs']} pairs) | "
         f"tokens/step {r['tokens_per_step_ratio']:.2f}x / mean step cost "
         f"{r['step_cost_mean_ratio']:.3f} = speedup "
@@ -479,6 +493,13 @@ def main(argv=None) -> int:
         default=[0.0, 1.0],
         help="each is run for every batch size; 0 also checks greedy equality",
     )
+    for flag, kind, what in (
+        ("--top-p", float, "nucleus mass, (0, 1]"),
+        ("--top-k", int, "most likely tokens kept, >= 1"),
+        ("--min-p", float, "drop tokens below this x the top one's p"),
+        ("--repetition-penalty", float, "(0, 2]; > 1 discourages repeats"),
+    ):
+        p.add_argument(flag, type=kind, default=None, help=f"every request's {what}")
     p.add_argument(
         "--prompts",
         choices=("stdlib", "random"),
@@ -584,6 +605,10 @@ def main(argv=None) -> int:
             f"--num-prompts {args.num_prompts} is below --batch-size "
             f"{max(args.batch_size)}: the batch would never fill"
         )
+    try:  # the sampling parameters, as the engine will check them
+        SamplingParams(**_sampling_extras(args))
+    except ValueError as e:
+        p.error(str(e))
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):

@@ -58,7 +58,7 @@ class OracleProposer:
                 row.append(tok)
             self._rows.append(row)
 
-    def propose(self, *, views, mode, confidence=False) -> DraftProposal:
+    def propose(self, *, views, mode, confidence=False, extras=None) -> DraftProposal:
         drafts = views.drafts[: len(self._rows)]  # padded rows keep anything
         drafts.copy_(torch.tensor(self._rows, device=drafts.device))
         return DraftProposal(

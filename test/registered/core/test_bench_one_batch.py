@@ -202,6 +202,22 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertIn("greedy equal: n/a (sampling)", text)
         self.assertNotIn("aten ops", text)  # only with --count-ops
 
+    def test_top_p(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "top_p.json")
+            rc, text = _main(
+                ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
+                + ["--temperature", "1", "--repeats", "1", "--top-p", "0.9"]
+                + ["--json", path]
+            )
+            with open(path) as f:
+                (row,) = json.load(f)
+        self.assertEqual(rc, 0)
+        self.assertIn("T=1 top_p=0.9 bs=2", text)
+        self.assertEqual(row["sampling_params"], {"top_p": 0.9})
+        self.assertGreater(row["speedup"], 0)
+        self.assertGreater(row["accept_length"], 1)
+
     def test_a_row_draws_the_same_whatever_ran_before(self):
         # A sampled row alone, and after another row and --count-ops passes
         # (which draw from the engines' generators): the same draws, so the
@@ -327,6 +343,8 @@ class TestBenchOneBatch(CustomTestCase):
             ["--enable-dp-attention"],  # one process: no ranks
             ["--enable-dp-attention", "--dp-size", "2", "--count-ops"],
             ["--moe-a2a-backend", "all_to_all"],  # without DP attention
+            ["--top-p", "0"],
+            ["--top-k", "0"],
         ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):

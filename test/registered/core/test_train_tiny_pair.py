@@ -60,8 +60,8 @@ class TestTrainingForwardMatchesEngine(CustomTestCase):
             )
             return out
 
-        def propose_spy(*, views, mode, confidence=False):
-            p = propose(views=views, mode=mode, confidence=confidence)
+        def propose_spy(*, views, mode, confidence=False, **extras):
+            p = propose(views=views, mode=mode, confidence=confidence, **extras)
             start = int(views.window.positions[0, 0])
             # The Markov-corrected logits, [bs, gamma, V] (kept slot-major).
             logits = views.corrected.transpose(0, 1).clone()

@@ -206,9 +206,16 @@ class Engine:
         *,
         input_ids: List[List[int]],
         sampling_params: Optional[Union[Dict, List[Dict]]] = None,
+        return_logprob: Union[bool, List[bool]] = False,
         progress: Optional[Callable[[int], None]] = None,
     ) -> List[Dict]:
         """One dict per request: ``output_ids`` and ``meta_info``.
+
+        ``sampling_params`` take upstream's names (``SamplingParams``).
+        ``return_logprob`` (for all requests, or one per request) adds
+        ``meta_info["output_token_logprobs"]``: (log-probability, token id)
+        per output token, under the target's own logits (T = 1, no sampling
+        parameter applied).
 
         ``progress``, when given, is called after every step with the number
         of tokens that step committed.
@@ -227,11 +234,15 @@ class Engine:
         with self._lock:
             try:
                 self._lock_owner = me
-                return self._generate_locked(input_ids, sampling_params, progress)
+                return self._generate_locked(
+                    input_ids, sampling_params, return_logprob, progress
+                )
             finally:
                 self._lock_owner = None
 
-    def _generate_locked(self, input_ids, sampling_params, progress) -> List[Dict]:
+    def _generate_locked(
+        self, input_ids, sampling_params, return_logprob, progress
+    ) -> List[Dict]:
         scheduler = self.scheduler
         if self._dp_failure is not None:
             raise RuntimeError(
@@ -244,7 +255,7 @@ class Engine:
             self._unclean = []
         error: Optional[ValueError] = None
         try:
-            reqs = self._make_requests(input_ids, sampling_params)
+            reqs = self._make_requests(input_ids, sampling_params, return_logprob)
         except ValueError as e:
             error, reqs = e, []
         self._num_calls += 1
@@ -256,7 +267,11 @@ class Engine:
                     "call": self._num_calls,
                     "rejected": error is not None,
                     "requests": [
-                        [r.origin_input_ids, dataclasses.asdict(r.sampling_params)]
+                        [
+                            r.origin_input_ids,
+                            dataclasses.asdict(r.sampling_params),
+                            r.return_logprob,
+                        ]
                         for r in reqs
                     ],
                 }
@@ -303,13 +318,29 @@ class Engine:
         self._unclean = []
         return results
 
-    def _make_requests(self, input_ids, sampling_params) -> List[Req]:
+    def _make_requests(self, input_ids, sampling_params, return_logprob) -> List[Req]:
         """Validated requests (token ids as Python ints), or ValueError naming
         the request index and the bad value; nothing is queued either way."""
         if not isinstance(input_ids, list) or not all(
             isinstance(ids, (list, tuple)) for ids in input_ids
         ):
             raise ValueError("input_ids must be a list of token-id lists")
+        if isinstance(return_logprob, list):
+            if len(return_logprob) != len(input_ids) or not all(
+                isinstance(x, bool) for x in return_logprob
+            ):
+                raise ValueError(
+                    f"return_logprob must be a bool or one bool per request, got "
+                    f"{return_logprob!r}"
+                )
+            logprob_flags = return_logprob
+        elif isinstance(return_logprob, bool):
+            logprob_flags = [return_logprob] * len(input_ids)
+        else:
+            raise ValueError(
+                f"return_logprob must be a bool or a list of bools, got "
+                f"{return_logprob!r}"
+            )
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(input_ids):
                 raise ValueError(
@@ -324,7 +355,7 @@ class Engine:
                 f"{type(sampling_params).__name__}"
             )
         reqs = []
-        for i, (ids, p) in enumerate(zip(input_ids, params)):
+        for i, (ids, p, logprob) in enumerate(zip(input_ids, params, logprob_flags)):
             if not isinstance(p, dict):
                 raise ValueError(
                     f"input {i}: sampling_params must be a dict, got {p!r}"
@@ -334,7 +365,10 @@ class Engine:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"input {i}: bad sampling_params {p!r}: {e}") from None
             req = Req(
-                rid=next(self._rids), origin_input_ids=list(ids), sampling_params=sp
+                rid=next(self._rids),
+                origin_input_ids=list(ids),
+                sampling_params=sp,
+                return_logprob=logprob,
             )
             try:
                 self.scheduler.check_request(req)
@@ -344,27 +378,32 @@ class Engine:
         return reqs
 
     def _result(self, req: Req) -> Dict:
-        return {
-            "output_ids": list(req.output_ids),
-            "meta_info": {
-                "id": req.rid,
-                "prompt_tokens": len(req.origin_input_ids),
-                "completion_tokens": len(req.output_ids),
-                "finish_reason": req.finished_reason,
-                "spec_verify_ct": req.spec_verify_ct,
-                # Drafts the target verified per verify step (gamma without
-                # a verify budget; fewer where the planner cut the block).
-                "spec_verify_tokens": (
-                    req.spec_verified_drafts / req.spec_verify_ct
-                    if req.spec_verify_ct
-                    else 0.0
-                ),
-                # Accepted drafts + 1 per verify step, counted before the
-                # output is cut at max_new_tokens or EOS (upstream's measure).
-                "spec_accept_length": (
-                    1 + req.spec_accepted_drafts / req.spec_verify_ct
-                    if req.spec_verify_ct
-                    else 0.0
-                ),
-            },
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "finish_reason": req.finished_reason,
+            "spec_verify_ct": req.spec_verify_ct,
+            # Drafts the target verified per verify step (gamma without
+            # a verify budget; fewer where the planner cut the block).
+            "spec_verify_tokens": (
+                req.spec_verified_drafts / req.spec_verify_ct
+                if req.spec_verify_ct
+                else 0.0
+            ),
+            # Accepted drafts + 1 per verify step, counted before the
+            # output is cut at max_new_tokens or EOS (upstream's measure).
+            "spec_accept_length": (
+                1 + req.spec_accepted_drafts / req.spec_verify_ct
+                if req.spec_verify_ct
+                else 0.0
+            ),
+            # The engine's, over its last drafting steps of any request:
+            # near 1.0 is a draft that is never accepted.
+            "spec_running_accept_length": self.scheduler.running_accept_length,
         }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = list(
+                zip(req.output_token_logprobs, req.output_ids)
+            )
+        return {"output_ids": list(req.output_ids), "meta_info": meta}

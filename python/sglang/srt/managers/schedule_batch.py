@@ -1,39 +1,162 @@
 """Request and batch state: the only mutable state handed between parts."""
 
+import dataclasses
+import math
 import numbers
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from sglang.srt.layers.sampler import SamplingBatchInfo, SamplingMode
+from sglang.srt.layers.sampler import (
+    NO_EXTRAS,
+    SamplingBatchInfo,
+    SamplingMode,
+    SamplingTensors,
+)
 from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_INDEX
+
+
+def _bad_bool(x) -> bool:
+    return isinstance(x, (bool, np.bool_))
+
+
+def _int(name: str, value, *, lo: int, hi: Optional[int] = None, text="") -> int:
+    if _bad_bool(value) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int{text}, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be an int{text}, got {value!r}")
+    return int(value)
+
+
+def _real(name: str, value, *, ok, text: str) -> float:
+    if (
+        _bad_bool(value)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not ok(value)
+    ):
+        raise ValueError(f"{name} must be a finite number {text}, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """A request's sampling parameters: upstream's names and meanings
+    (temperature 0 is greedy here, upstream's default is 1). numpy scalars
+    are accepted and stored as Python numbers, once."""
+
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]: the smallest set of tokens with this mass
+    top_k: int = -1  # -1: all tokens; else the k most likely
+    min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the top one's p
+    repetition_penalty: float = 1.0  # (0, 2]: > 1 discourages prompt/output ids
+    frequency_penalty: float = 0.0  # [-2, 2], x each output id's count
+    presence_penalty: float = 0.0  # [-2, 2], once per output id
+    stop_token_ids: Optional[Tuple[int, ...]] = None  # end the request there
+    ignore_eos: bool = False  # EOS neither stops nor is masked
+    min_new_tokens: int = 0  # EOS and stop ids masked until this many
+    sampling_seed: Optional[int] = None  # [0, 2**63): draws of its own
 
     def __post_init__(self) -> None:
-        # numpy scalars are accepted and stored as Python numbers, once.
-        n = self.max_new_tokens
+        fix = object.__setattr__
+        fix(
+            self,
+            "max_new_tokens",
+            _int("max_new_tokens", self.max_new_tokens, lo=1, text=" > 0"),
+        )
+        fix(
+            self,
+            "temperature",
+            _real("temperature", self.temperature, ok=lambda t: t >= 0, text=">= 0"),
+        )
+        fix(
+            self,
+            "top_p",
+            _real("top_p", self.top_p, ok=lambda x: 0 < x <= 1, text="in (0, 1]"),
+        )
         if (
-            isinstance(n, (bool, np.bool_))
-            or not isinstance(n, numbers.Integral)
-            or n <= 0
+            _bad_bool(self.top_k)
+            or not isinstance(self.top_k, numbers.Integral)
+            or (self.top_k < 1 and self.top_k != -1)
         ):
-            raise ValueError(f"max_new_tokens must be an int > 0, got {n!r}")
-        t = self.temperature
-        if (
-            isinstance(t, (bool, np.bool_))
-            or not isinstance(t, numbers.Real)
-            or not 0 <= t < float("inf")
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        object.__setattr__(self, "max_new_tokens", int(n))
-        object.__setattr__(self, "temperature", float(t))
+            raise ValueError(
+                f"top_k must be -1 (all tokens) or an int >= 1, got {self.top_k!r}"
+            )
+        fix(self, "top_k", int(self.top_k))
+        fix(
+            self,
+            "min_p",
+            _real("min_p", self.min_p, ok=lambda x: 0 <= x <= 1, text="in [0, 1]"),
+        )
+        fix(
+            self,
+            "repetition_penalty",
+            _real(
+                "repetition_penalty",
+                self.repetition_penalty,
+                ok=lambda x: 0 < x <= 2,
+                text="in (0, 2]",
+            ),
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _real(
+                name, getattr(self, name), ok=lambda x: -2 <= x <= 2, text="in [-2, 2]"
+            )
+            fix(self, name, value)
+        stops = self.stop_token_ids
+        if stops is not None:
+            if isinstance(stops, (str, bytes)) or not isinstance(stops, (list, tuple)):
+                raise ValueError(
+                    f"stop_token_ids must be a list of token ids, got {stops!r}"
+                )
+            fix(
+                self,
+                "stop_token_ids",
+                tuple(_int("stop_token_ids", t, lo=0, text=" >= 0") for t in stops),
+            )
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        fix(self, "ignore_eos", bool(self.ignore_eos))
+        fix(
+            self,
+            "min_new_tokens",
+            _int(
+                "min_new_tokens",
+                self.min_new_tokens,
+                lo=0,
+                hi=self.max_new_tokens,
+                text=f" in [0, max_new_tokens={self.max_new_tokens}]",
+            ),
+        )
+        if self.sampling_seed is not None:
+            fix(
+                self,
+                "sampling_seed",
+                _int(
+                    "sampling_seed",
+                    self.sampling_seed,
+                    lo=0,
+                    hi=2**63 - 1,
+                    text=" in [0, 2**63)",
+                ),
+            )
+
+    @property
+    def is_processed(self) -> bool:
+        """Whether its logits need the processing step (a parameter other
+        than the temperature changes the distribution)."""
+        return (
+            self.top_p < 1
+            or self.top_k != -1
+            or self.min_p > 0
+            or self.repetition_penalty != 1
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.min_new_tokens > 0
+        )
 
 
 def as_token_ids(ids, *, vocab_size: int) -> List[int]:
@@ -79,6 +202,10 @@ class Req:
     # The first position whose draft context waits in the worker's stash
     # (committed by plain steps); None: the draft's context is whole.
     draft_context_from: Optional[int] = None
+    eos_token_id: Optional[int] = None  # the engine's, set when queued
+    return_logprob: bool = False
+    # The target's log-probability of each output token (return_logprob).
+    output_token_logprobs: List[float] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -89,14 +216,27 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def append_tokens(self, tokens: List[int], eos_token_id: Optional[int]) -> None:
-        """Commit tokens up to max_new_tokens or the first EOS; drop the rest."""
-        for tok in tokens:
+    def append_tokens(
+        self,
+        tokens: List[int],
+        eos_token_id: Optional[int],
+        logprobs: Optional[List[float]] = None,
+    ) -> None:
+        """Commit tokens up to max_new_tokens, or the first EOS (unless
+        ignored) or stop id once min_new_tokens are out; drop the rest.
+        ``logprobs`` (one per token) are kept when the request asked."""
+        sp = self.sampling_params
+        for i, tok in enumerate(tokens):
             self.output_ids.append(tok)
-            if eos_token_id is not None and tok == eos_token_id:
+            if self.return_logprob and logprobs is not None:
+                self.output_token_logprobs.append(logprobs[i])
+            stop = (
+                eos_token_id is not None and tok == eos_token_id and not sp.ignore_eos
+            ) or (sp.stop_token_ids is not None and tok in sp.stop_token_ids)
+            if stop and len(self.output_ids) > sp.min_new_tokens:
                 self.finished_reason = "stop"
                 return
-            if len(self.output_ids) >= self.sampling_params.max_new_tokens:
+            if len(self.output_ids) >= sp.max_new_tokens:
                 self.finished_reason = "length"
                 return
 
@@ -113,6 +253,9 @@ class BatchState:
     inv_temperatures: torch.Tensor  # [bs, 1]: 1 / T; 1 on greedy rows
     neg_temperatures: torch.Tensor  # [bs, 1]: -T (0 on greedy rows)
     is_sampled: torch.Tensor  # [bs] bool: T > 0
+    # The other sampling parameters and the tokens they count: loaded only
+    # for a batch that uses them (its SamplingExtras).
+    sampling: SamplingTensors
 
 
 class BatchStateBuffers:
@@ -120,7 +263,7 @@ class BatchStateBuffers:
     a batch hold the dummy request (its KV is the scratch slot only), so a
     step padded to a larger size touches nothing live."""
 
-    def __init__(self, *, max_batch_size: int, device) -> None:
+    def __init__(self, *, max_batch_size: int, vocab_size: int, device) -> None:
         n, dev = max_batch_size, device
         self.req_pool_indices = torch.full((n,), DUMMY_REQ_INDEX, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
@@ -131,7 +274,17 @@ class BatchStateBuffers:
         self.is_sampled = torch.zeros(n, dtype=torch.bool, device=dev)
         self._is_greedy = torch.ones(n, dtype=torch.bool, device=dev)  # scratch
 
+        self.sampling = SamplingTensors.empty(
+            n, vocab_size, dev, inv_temperatures=self.inv_temperatures
+        )
+
     def cut(self, bs: int) -> BatchState:
+        sampling = SamplingTensors(
+            **{
+                f.name: getattr(self.sampling, f.name)[:bs]
+                for f in dataclasses.fields(SamplingTensors)
+            }
+        )
         return BatchState(
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs],
@@ -140,6 +293,7 @@ class BatchStateBuffers:
             inv_temperatures=self.inv_temperatures[:bs],
             neg_temperatures=self.neg_temperatures[:bs],
             is_sampled=self.is_sampled[:bs],
+            sampling=sampling,
         )
 
     def reset(self) -> None:
@@ -174,6 +328,8 @@ class BatchStateBuffers:
         inv = state.inv_temperatures.view(bs)
         torch.clamp_min(t, 1e-6, out=inv).reciprocal_()
         inv.masked_fill_(torch.le(t, 0, out=self._is_greedy[:bs]), 1.0)
+        if batch.sampling_info.extras != NO_EXTRAS:
+            state.sampling.load(batch.sampling_info, state.is_sampled)
         batch.req_pool_indices = state.req_pool_indices
         batch.seq_lens, batch.last_ids = state.seq_lens, state.last_ids
 
@@ -230,9 +386,7 @@ class ScheduleBatch:
             req_pool_indices=tensor([r.req_pool_idx for r in reqs]),
             seq_lens=tensor(seq_lens),
             last_ids=tensor([r.output_ids[-1] for r in reqs]),
-            sampling_info=SamplingBatchInfo.from_temperatures(
-                [r.sampling_params.temperature for r in reqs]
-            ),
+            sampling_info=SamplingBatchInfo.from_reqs(reqs),
             seq_lens_cpu=seq_lens,
         )
 
@@ -270,3 +424,6 @@ class StepOutput:
     output_ids: List[List[int]]  # tokens to append, in order
     accepted_drafts: List[int]  # drafts accepted (always 0 without speculation)
     verified_drafts: Optional[List[int]] = None  # drafts verified; None: 0
+    # The target's log-probability of each token of output_ids; None when no
+    # request of the batch asked.
+    logprobs: Optional[List[List[float]]] = None

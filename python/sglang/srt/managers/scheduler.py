@@ -27,6 +27,7 @@ until a step's sync finds all of them done. A collective that fails (a
 rank raised, died or stalled past the timeout) raises on every rank.
 """
 
+import logging
 import time
 from collections import deque
 from typing import Deque, Iterable, List, Optional, Protocol
@@ -42,6 +43,8 @@ from sglang.srt.managers.schedule_batch import (
     as_token_ids,
 )
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenSlotAllocator
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(Protocol):
@@ -64,6 +67,11 @@ class DecodeWorker(Protocol):
 
 
 class Scheduler:
+    # Draft health: over this many request-steps that verified a draft, a
+    # mean acceptance below HEALTH_FLOOR drafts a step is logged, once.
+    HEALTH_WINDOW = 256
+    HEALTH_FLOOR = 0.05
+
     def __init__(
         self,
         *,
@@ -88,6 +96,9 @@ class Scheduler:
         self.decode_step_times: List[float] = []
         # Data-parallel attention: the CPU group the ranks sync steps on; the
         # most requests a step admits (the sync's fixed width).
+        # Accepted drafts of the last drafting request-steps (draft health).
+        self._accepted: Deque[int] = deque(maxlen=self.HEALTH_WINDOW)
+        self._warned_draft = False
         self.dp_group = dp_group
         self._dp_max_admit = max_running_requests
         self._dp_busy = False  # some rank had work at the last sync
@@ -131,7 +142,15 @@ class Scheduler:
                 f"{req.sampling_params.max_new_tokens} + lookahead {self.lookahead} "
                 f"= {need} exceeds the KV capacity {capacity}"
             )
+        stops = req.sampling_params.stop_token_ids or ()
+        bad = [t for t in stops if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {req.rid}: stop_token_ids {bad} are not in the "
+                f"vocabulary [0, {self.vocab_size})"
+            )
         req.origin_input_ids = ids
+        req.eos_token_id = self.eos_token_id
 
     def has_work(self) -> bool:
         """Requests wait or run here; under DP attention also while any rank
@@ -298,13 +317,17 @@ class Scheduler:
             torch.cuda.synchronize()
         self.decode_step_times.append(time.perf_counter() - start)
         verified = out.verified_drafts or [0] * len(self.running)
-        for req, ids, accepted, checked in zip(
-            self.running, out.output_ids, out.accepted_drafts, verified
+        logprobs = out.logprobs or [None] * len(self.running)
+        for req, ids, accepted, checked, lps in zip(
+            self.running, out.output_ids, out.accepted_drafts, verified, logprobs
         ):
             req.spec_verify_ct += 1
             req.spec_accepted_drafts += accepted
             req.spec_verified_drafts += checked
-            req.append_tokens(ids, self.eos_token_id)
+            if checked:
+                self._accepted.append(accepted)
+            req.append_tokens(ids, self.eos_token_id, lps)
+        self._check_draft_health()
         done = [r for r in self.running if r.finished]
         if done:
             self.running = [r for r in self.running if not r.finished]
@@ -312,6 +335,29 @@ class Scheduler:
             for req in done:
                 self._release(req)
         return done
+
+    @property
+    def running_accept_length(self) -> float:
+        """Accepted drafts + 1 per request-step, over the last drafting
+        steps (0.0 before any)."""
+        if not self._accepted:
+            return 0.0
+        return 1 + sum(self._accepted) / len(self._accepted)
+
+    def _check_draft_health(self) -> None:
+        window = self._accepted
+        if self._warned_draft or len(window) < window.maxlen:
+            return
+        if sum(window) / len(window) < self.HEALTH_FLOOR:
+            self._warned_draft = True
+            logger.warning(
+                "the DSpark draft is almost never accepted: running accept "
+                "length %.3f over the last %d drafting request-steps; every "
+                "step pays for a block it throws away (output stays correct). "
+                "Check the draft checkpoint, or run without speculation",
+                self.running_accept_length,
+                len(window),
+            )
 
     def abort_requests(self, reqs: Iterable[Req]) -> None:
         """Take ``reqs`` out of every queue, mark the unfinished ones aborted,

@@ -12,15 +12,20 @@ steps an idle batch of dummy rows, all masked.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from sglang.srt.layers.sampler import (
+    NO_EXTRAS,
+    SamplingExtras,
     SamplingMode,
     draw_log_exp1_,
+    fill_seeded_log_e_,
     gumbel_argmax,
-    sample_tokens,
+    process_logits,
+    sample_first_token,
+    token_logprobs,
 )
 from sglang.srt.managers.schedule_batch import (
     BatchState,
@@ -53,6 +58,7 @@ class DecodeViews:
     out_cache_loc: torch.Tensor  # [bs]
     log_e: torch.Tensor  # [bs, vocab]: sampling noise
     scratch: torch.Tensor  # [bs, vocab]
+    logprobs: torch.Tensor  # [bs]: the sampled tokens' (return_logprob)
     forward_batch: ForwardBatch  # DECODE over the views above
 
 
@@ -64,13 +70,18 @@ class DecodeBuffers(StepBuffers[DecodeViews]):
     ) -> None:
         super().__init__(max_batch_size=max_batch_size)
         dev = model_runner.device
-        self.state = BatchStateBuffers(max_batch_size=max_batch_size, device=dev)
+        self.state = BatchStateBuffers(
+            max_batch_size=max_batch_size, vocab_size=vocab_size, device=dev
+        )
         self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self.table_index = torch.zeros_like(self.positions)
         self.out_cache_loc = torch.zeros_like(self.positions)
         self.log_e = torch.zeros(max_batch_size, vocab_size, device=dev)
         self.scratch = torch.zeros_like(self.log_e)
+        self.logprobs = torch.zeros(max_batch_size, device=dev)
         self.num_token_non_padded = torch.zeros((), dtype=torch.int32, device=dev)
+        # The one position a plain step samples: out_lens + 0.
+        self.slot_offsets = torch.zeros(1, 1, dtype=torch.int64, device=dev)
         self.model_runner = model_runner
 
     def _cut(self, bs: int) -> DecodeViews:
@@ -97,6 +108,7 @@ class DecodeBuffers(StepBuffers[DecodeViews]):
             out_cache_loc=out_cache_loc,
             log_e=self.log_e[:bs],
             scratch=self.scratch[:bs],
+            logprobs=self.logprobs[:bs],
             forward_batch=forward_batch,
         )
 
@@ -145,7 +157,8 @@ class TpModelWorker:
             use_cuda_graph=use_cuda_graph,
             reset=self.buffers.state.reset,
         )
-        self.graph_runner.capture(lambda rows: list(SamplingMode))
+        # Graphs for temperature sampling; the other parameters run eagerly.
+        self.graph_runner.capture(lambda rows: [(m, NO_EXTRAS) for m in SamplingMode])
 
     def prefill(
         self, *, req: Req, global_num_tokens: Optional[List[int]] = None
@@ -221,12 +234,10 @@ class TpModelWorker:
         )
         self._fill_prefill_sync(forward_batch, global_num_tokens)
         out = self.model_runner.forward(forward_batch)
-        first = sample_tokens(
-            logits=out.logits[-1:],
-            temperatures=[req.sampling_params.temperature],
-            generator=self.generator,
-        )
-        return int(first.item()), out, forward_batch
+        first, logprob = sample_first_token(out.logits[-1:], req, self.generator)
+        if logprob is not None:
+            req.output_token_logprobs.append(logprob)
+        return first, out, forward_batch
 
     def decode_step(self, *, batch: ScheduleBatch) -> StepOutput:
         """One token per request; advances the batch's device state in place."""
@@ -261,24 +272,40 @@ class TpModelWorker:
                     can_run_dp_cuda_graph=batch.can_run_dp_cuda_graph,
                     device=self.device,
                 )
+            extras = batch.sampling_info.extras
             if mode is not SamplingMode.GREEDY:
                 draw_log_exp1_(v.log_e, self.generator)
+                if extras.seeded:  # seeded rows: their own draws
+                    fill_seeded_log_e_(
+                        v.log_e.unsqueeze(0), v.state.sampling, buffers.slot_offsets
+                    )
         runner.run(
-            rows=rows, variant=mode, max_kv_len=max(batch.seq_lens_cpu, default=1)
+            rows=rows,
+            variant=(mode, extras),
+            max_kv_len=max(batch.seq_lens_cpu, default=1),
         )
         with self.spans("output"):
             tokens = _read_tokens(batch.last_ids)
             for i in range(bs):
                 batch.seq_lens_cpu[i] += 1
+            logprobs = None
+            if extras.logprobs:
+                logprobs = [[x] for x in buffers.at(bs).logprobs.tolist()]
             return StepOutput(
-                output_ids=[[t] for t in tokens], accepted_drafts=[0] * bs
+                output_ids=[[t] for t in tokens],
+                accepted_drafts=[0] * bs,
+                logprobs=logprobs,
             )
 
     def _device_step(
-        self, rows: int, mode: SamplingMode, max_kv_len: Optional[int]
+        self,
+        rows: int,
+        variant: Tuple[SamplingMode, SamplingExtras],
+        max_kv_len: Optional[int],
     ) -> None:
         """positions and KV slots -> forward -> sample -> commit, over the
         first ``rows`` rows of the buffers (no host read: graph-safe)."""
+        mode, extras = variant
         v = self.buffers.at(rows)
         state = v.state
         torch.sub(state.seq_lens, 1, out=v.positions)
@@ -290,6 +317,9 @@ class TpModelWorker:
         with self.spans("forward"):
             logits = self.model_runner.forward(v.forward_batch).logits  # [rows, V]
         with self.spans("sample"):
+            raw = logits  # the model's own, for the logprobs
+            if extras.processed:
+                logits = process_logits(logits.unsqueeze(0), state.sampling)[0]
             if mode is SamplingMode.GREEDY:
                 torch.argmax(logits, dim=-1, out=state.last_ids)
             else:
@@ -300,6 +330,10 @@ class TpModelWorker:
                     out=state.last_ids,
                     scratch=v.scratch,
                 )
+            if extras.logprobs:
+                v.logprobs.copy_(token_logprobs(raw, state.last_ids))
+            if extras.processed or extras.seeded:
+                state.sampling.advance_(state.last_ids.unsqueeze(1), None)
             state.seq_lens.add_(1)
 
 

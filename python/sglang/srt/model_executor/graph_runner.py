@@ -81,9 +81,11 @@ class GraphRunner:
 
     def run(self, *, rows: int, variant: Hashable, max_kv_len: int) -> None:
         """One device step over ``rows`` rows: a replay when captured, else
-        eagerly (keys read up to ``max_kv_len``)."""
-        if self.is_graphed(rows):
-            self._graphs[(rows, variant)].replay()
+        eagerly (keys read up to ``max_kv_len``). Under capture ``rows`` and
+        ``variant`` must be ones captured (``capture``)."""
+        graph = self._graphs.get((rows, variant))
+        if graph is not None:
+            graph.replay()
             self.replays += 1
-        else:
+        else:  # not a bucket, or a variant the worker runs eagerly
             self.step(rows, variant, max_kv_len)

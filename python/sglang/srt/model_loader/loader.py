@@ -211,6 +211,15 @@ def _check_tensors(
             raise ValueError(
                 f"{file}: tensor {name!r} has dtype {tensors[name].dtype}, not a float"
             )
+        finite = torch.isfinite(tensors[name])
+        if not bool(finite.all()):
+            # A NaN draft would load and verify blocks it never gets
+            # accepted: output stays correct, speculation silently a loss.
+            bad = int((~finite).sum())
+            raise ValueError(
+                f"{file}: tensor {name!r} has {bad} non-finite value(s) (NaN or "
+                f"inf) of {finite.numel()}: a corrupt checkpoint"
+            )
     extra = sorted(mine - set(expected))
     if extra:
         why = _fields_matching(extra[0], (), (), fields)

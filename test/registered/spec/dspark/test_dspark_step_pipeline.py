@@ -21,7 +21,21 @@ PROMPTS = [list(b"import os\n"), list(b"def main(argv):\n"), list(b"class A:\n")
 TEMPERATURES = {"greedy": (0, 0, 0), "sampled": (1, 0.7, 1.3), "mixed": (0, 1, 0.7)}
 
 
-def _running(temperatures, cuda_graph_bs=None, budget="off"):
+# Every sampling parameter beyond the temperature, a seed and logprobs on
+# one request of the batch: the step's extras variant.
+EXTRAS = dict(
+    top_k=8,
+    top_p=0.9,
+    min_p=0.05,
+    repetition_penalty=1.2,
+    frequency_penalty=0.3,
+    presence_penalty=0.2,
+    min_new_tokens=3,
+    sampling_seed=7,
+)
+
+
+def _running(temperatures, cuda_graph_bs=None, budget="off", extras=False):
     """An engine with PROMPTS admitted and decoding (one step done)."""
     engine = Engine(
         speculative_algorithm="DSPARK",
@@ -33,8 +47,11 @@ def _running(temperatures, cuda_graph_bs=None, budget="off"):
     )
     sched = engine.scheduler
     for i, (ids, t) in enumerate(zip(PROMPTS, temperatures)):
-        params = SamplingParams(max_new_tokens=40, temperature=t)
-        sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
+        more = EXTRAS if extras and i == 1 else {}
+        params = SamplingParams(max_new_tokens=40, temperature=t, **more)
+        req = Req(rid=i, origin_input_ids=ids, sampling_params=params)
+        req.return_logprob = extras
+        sched.add_request(req)
     sched.step()
     return engine
 
@@ -94,6 +111,7 @@ class TestFullGraph(CustomTestCase):
 
     def _state(self, engine):
         worker = engine.worker
+        st = worker.buffers.state.sampling  # what the extras advance
         tensors = [
             worker.buffers.state.seq_lens,
             worker.buffers.state.last_ids,
@@ -101,6 +119,9 @@ class TestFullGraph(CustomTestCase):
             worker.target_runner.token_to_kv_pool.v,
             worker.draft_runner.token_to_kv_pool.k,
             worker.draft_runner.token_to_kv_pool.v,
+            st.counts,
+            st.seen,
+            st.out_lens,
         ]
         return tensors, [t.clone() for t in tensors]
 
@@ -117,7 +138,7 @@ class TestFullGraph(CustomTestCase):
             torch._dynamo.reset()
             step = torch.compile(step, fullgraph=True, backend=compiled_with)
         ragged = 0 < budget < rows * worker.gamma
-        variant = (mode, budget, ragged)
+        variant = (mode, budget, ragged, batch.sampling_info.extras)
         step(rows, variant, max(batch.seq_lens_cpu) + worker.gamma)
         v = worker.buffers.at(batch.batch_size)
         out = [
@@ -125,6 +146,7 @@ class TestFullGraph(CustomTestCase):
             for t in (v.drafts, v.accept_lens, v.state.last_ids, v.state.seq_lens)
         ]
         out += [t.clone() for t in tensors[2:]]
+        out.append(v.logprobs.clone())
         for t, s in zip(tensors, saved):
             t.copy_(s)
         return out
@@ -132,13 +154,17 @@ class TestFullGraph(CustomTestCase):
     def test_compiles_whole_and_matches_eager(self):
         # Every draft verified, a ragged verify (4 drafts of 15), and a plain
         # step (budget 0).
-        cases = [(name, "off") for name in TEMPERATURES] + [
-            ("mixed", 4),
-            ("sampled", 0),
+        # With every sampling parameter too (processed, seeded, logprobs).
+        cases = [(name, "off", False) for name in TEMPERATURES] + [
+            ("mixed", 4, False),
+            ("sampled", 0, False),
+            ("mixed", "off", True),
+            ("sampled", 4, True),
+            ("greedy", 0, True),
         ]
-        for name, budget in cases:
-            with self.subTest(mode=name, budget=budget):
-                engine = _running(TEMPERATURES[name], budget=budget)
+        for name, budget, extras in cases:
+            with self.subTest(mode=name, budget=budget, extras=extras):
+                engine = _running(TEMPERATURES[name], budget=budget, extras=extras)
                 gen = engine.worker.generator
                 seed = gen.initial_seed()
                 gen.manual_seed(seed)
@@ -156,7 +182,7 @@ class TestFullGraph(CustomTestCase):
         for a, b in zip(eager[:4], compiled[:4]):
             self.assertTrue(torch.equal(a, b))
         for a, b in zip(eager[4:], compiled[4:]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-4)
 
 
 if __name__ == "__main__":

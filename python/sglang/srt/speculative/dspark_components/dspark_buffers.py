@@ -135,6 +135,11 @@ class DSparkStepViews:
     plain_batch: ForwardBatch  # budget 0: one row per request, the anchors
     plain_positions: torch.Tensor  # [B]
     plain_slots: torch.Tensor  # [B]
+    # Sampling parameters beyond the temperature (SamplingExtras):
+    slot_offsets: torch.Tensor  # [g + 1, 1]: 0..g, output position - out_lens
+    committed: torch.Tensor  # [B, g + 1]: the step's committed tokens
+    committed_valid: torch.Tensor  # [B, g + 1] bool: column <= accept length
+    logprobs: torch.Tensor  # [B, g + 1]: the target's, of the committed tokens
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         def floats(*shape):
             return torch.zeros(shape, device=dev)
 
-        self.state = BatchStateBuffers(max_batch_size=n, device=dev)
+        self.state = BatchStateBuffers(max_batch_size=n, vocab_size=V, device=dev)
         self.positions, self.table_index = ints(n, g + 1), ints(n, g + 1)
         self.slots = ints(n, g + 1)
         self.verify_ids, self.verify_kv_lens = ints(n, g + 1), ints(n, g + 1)
@@ -236,6 +241,10 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         # Filled per step only when EP > 1 reads them; never re-allocated.
         self.verify_scalar = torch.zeros((), dtype=torch.int32, device=dev)
         self.draft_scalar = torch.zeros((), dtype=torch.int32, device=dev)
+        self.slot_offsets = torch.arange(g + 1, device=dev).unsqueeze(1)
+        self.committed = ints(n, g + 1)
+        self.committed_valid = torch.zeros(n, g + 1, dtype=torch.bool, device=dev)
+        self.logprobs = floats(n, g + 1)
 
     def set_constants(self, bs: int) -> None:
         """q's and ``matched``'s last rows back to 0 at this size (another
@@ -392,6 +401,10 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             ),
             plain_positions=self.plain_positions[:bs],
             plain_slots=self.plain_slots[:bs],
+            slot_offsets=self.slot_offsets,
+            committed=self.committed[:bs],
+            committed_valid=self.committed_valid[:bs],
+            logprobs=self.logprobs[:bs],
         )
 
     def query_grid(self, bs: int) -> torch.Tensor:

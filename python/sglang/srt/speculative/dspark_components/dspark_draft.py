@@ -6,7 +6,12 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sglang.srt.layers.sampler import SamplingMode
+from sglang.srt.layers.sampler import (
+    NO_EXTRAS,
+    SamplingExtras,
+    SamplingMode,
+    process_logits,
+)
 from sglang.srt.model_executor.forward_batch_info import (
     enable_num_token_non_padded,
     fill_mlp_sync_metadata,
@@ -149,13 +154,17 @@ class DraftBlockProposer:
         views: "DSparkStepViews",
         mode: SamplingMode,
         confidence: bool = False,
+        extras: SamplingExtras = NO_EXTRAS,
     ) -> DraftProposal:
         """The block of every request in ``views``: the window, the batch
         state and the step's attention metadata (the verify batch's, from
         which the block derives its own) are filled. With ``confidence``,
         also each draft's probability under the draft's own distribution
         (q(d), T = 1 for greedy rows), into ``views.confidence``: what the
-        verify budget is planned by."""
+        verify budget is planned by. With ``extras.processed`` each slot's
+        logits go through the sampling parameters' processing first, with
+        the drafts before it as history, so that q is the processed draft
+        distribution the verify judges against."""
         v, state, gamma = views, views.state, self.gamma
         v.block_anchors.copy_(state.last_ids)  # the anchor is the last bonus token
         v.block_positions.copy_(v.window_block_positions)
@@ -170,41 +179,18 @@ class DraftBlockProposer:
             base = self.draft_model_runner.forward(batch).logits  # [bs * gamma, V]
         base = base.view(-1, gamma, base.shape[-1])  # [bs, gamma, V]
         sampled = mode is not SamplingMode.GREEDY
-        if sampled:
-            # argmax(logits / T + G) == argmax(logits - T log E): T = 0 rows
-            # (a mixed batch's greedy ones) keep their plain logits.
-            torch.addcmul(
-                base.transpose(0, 1), v.block_noise, state.neg_temperatures, out=v.noisy
-            )
-            sources = v.noisy_slots
+        if extras.processed:
+            self._sample_processed(v, base, sampled)
         else:
-            sources = base.unbind(1)
-        # DSparkDraftModel.markov_correction's arithmetic, into the buffers: a
-        # row of the tabulated head, or the embedding row then the linear.
-        table = self.draft_model.markov_table()  # [V, V] or None
-        if table is None:
-            w1 = self.draft_model.markov_w1.weight  # [V, rank]
-            w2_t = self.draft_model.markov_w2.weight.t()  # [rank, V]
-        prev = state.last_ids
-        # x_0 = anchor; logits_k = base_k + W2(W1[x_(k-1)]), left to right.
-        for source, correction, tokens in zip(
-            sources, v.correction_slots, v.sampled_slots
-        ):  # [bs, V], [bs, V], [bs]
-            if table is not None:
-                torch.index_select(table, 0, prev, out=correction)
-            else:
-                torch.index_select(w1, 0, prev, out=v.markov_hidden)
-                torch.mm(v.markov_hidden, w2_t, out=correction)
-            torch.add(source, correction, out=v.scratch)
-            torch.argmax(v.scratch, dim=-1, out=tokens)
-            prev = tokens
+            self._sample(v, base, sampled)
         v.drafts_by_slot.copy_(v.sampled)  # into the verify ids
         if not (sampled or confidence):
             return DraftProposal(
                 draft_tokens=v.drafts, draft_probs=None, block_ids=v.block_ids
             )
         # q = softmax(corrected / T) per slot (greedy rows: T taken as 1).
-        torch.add(base.transpose(0, 1), v.corrections, out=v.corrected)
+        if not extras.processed:  # (the processed path filled corrected)
+            torch.add(base.transpose(0, 1), v.corrections, out=v.corrected)
         if sampled:
             torch.mul(v.corrected, state.inv_temperatures, out=v.scaled)
         torch._softmax(v.scaled if sampled else v.corrected, -1, False, out=v.q_drafts)
@@ -215,3 +201,78 @@ class DraftBlockProposer:
             draft_probs=v.q_drafts if sampled else None,
             block_ids=v.block_ids,
         )
+
+    def _markov_head(self):
+        """The Markov head for this step's slots: its table, or None and the
+        low-rank path's two weights."""
+        table = self.draft_model.markov_table()  # [V, V] or None
+        if table is not None:
+            return table, None, None
+        w1 = self.draft_model.markov_w1.weight  # [V, rank]
+        return None, w1, self.draft_model.markov_w2.weight.t()  # [rank, V]
+
+    @staticmethod
+    def _correct(v, head, prev: torch.Tensor, out: torch.Tensor) -> None:
+        """DSparkDraftModel.markov_correction's arithmetic, into ``out``: a
+        row of the tabulated head, or the embedding row then the linear."""
+        table, w1, w2_t = head
+        if table is not None:
+            torch.index_select(table, 0, prev, out=out)
+        else:
+            torch.index_select(w1, 0, prev, out=v.markov_hidden)
+            torch.mm(v.markov_hidden, w2_t, out=out)
+
+    def _sample(self, v, base: torch.Tensor, sampled: bool) -> None:
+        """The block left to right: x_0 = anchor; slot k samples from
+        base_k + W2(W1[x_(k-1)]), by the Gumbel rule (its noise added to
+        every slot at once first)."""
+        state = v.state
+        if sampled:
+            # argmax(logits / T + G) == argmax(logits - T log E): T = 0 rows
+            # (a mixed batch's greedy ones) keep their plain logits.
+            torch.addcmul(
+                base.transpose(0, 1), v.block_noise, state.neg_temperatures, out=v.noisy
+            )
+            sources = v.noisy_slots
+        else:
+            sources = base.unbind(1)
+        head, prev = self._markov_head(), state.last_ids
+        for source, correction, tokens in zip(
+            sources, v.correction_slots, v.sampled_slots
+        ):  # [bs, V], [bs, V], [bs]
+            self._correct(v, head, prev, correction)
+            torch.add(source, correction, out=v.scratch)
+            torch.argmax(v.scratch, dim=-1, out=tokens)
+            prev = tokens
+
+    def _sample_processed(self, v, base: torch.Tensor, sampled: bool) -> None:
+        """``_sample`` with each slot's corrected logits processed by the
+        sampling parameters (``process_logits``: penalties counting the
+        drafts before the slot, min_new_tokens, truncation) into
+        ``v.corrected`` before its draw."""
+        state, st = v.state, v.state.sampling
+        drafted = torch.zeros_like(st.counts)  # [bs, V]: d_1..d_k so far
+        ones = torch.ones_like(state.last_ids, dtype=drafted.dtype).unsqueeze(1)
+        head, prev = self._markov_head(), state.last_ids
+        for k, (correction, tokens) in enumerate(
+            zip(v.correction_slots, v.sampled_slots)
+        ):
+            self._correct(v, head, prev, correction)
+            corrected = v.corrected[k]  # [bs, V]
+            torch.add(base[:, k], correction, out=corrected)
+            processed = process_logits(
+                corrected.unsqueeze(0),
+                st,
+                history=drafted.unsqueeze(0),
+                slot_offsets=v.slot_offsets[k : k + 1],
+            )
+            corrected.copy_(processed[0])
+            source = corrected
+            if sampled:
+                torch.addcmul(
+                    corrected, v.block_noise[k], state.neg_temperatures, out=v.scratch
+                )
+                source = v.scratch
+            torch.argmax(source, dim=-1, out=tokens)
+            drafted.scatter_add_(1, tokens.unsqueeze(1), ones)
+            prev = tokens

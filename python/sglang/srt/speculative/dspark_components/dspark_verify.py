@@ -21,13 +21,32 @@ proposed), as after a full accept. A step that verifies no draft (budget
   first rejection the bonus is drawn from normalize(max(p - q, 0)) of that
   row, after a full accept from p of the last row (q's extra row is 0).
   Exactly lossless: the output follows p.
+
+With the sampling parameters beyond the temperature (``SamplingExtras``):
+the target's rows are processed (``process_logits``, each row with the
+drafts before it as history) before either rule, so p is the processed
+target distribution and, the draft's q processed alike, the output keeps
+it. A seeded sampled row takes the greedy rule over its Gumbel-perturbed
+rows, argmax(p-logits / T + G) with the noise the draft drew its block
+with (both from the seed and the output position): lossless, since the
+token at a position is always the target's perturbed argmax, and a
+function of the seed alone. The committed tokens (drafts up to the accept
+length, then the bonus) and their log-probabilities under the target's
+own logits are left in the views for the commit and the output.
 """
 
 from typing import Optional
 
 import torch
 
-from sglang.srt.layers.sampler import SamplingMode, gumbel_argmax
+from sglang.srt.layers.sampler import (
+    NO_EXTRAS,
+    SamplingExtras,
+    SamplingMode,
+    gumbel_argmax,
+    process_logits,
+    token_logprobs,
+)
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepViews
 
 
@@ -99,11 +118,18 @@ def rejection_accept(
 
 
 def sample_anchor(
-    *, views: DSparkStepViews, logits: torch.Tensor, mode: SamplingMode
+    *,
+    views: DSparkStepViews,
+    logits: torch.Tensor,
+    mode: SamplingMode,
+    extras: SamplingExtras = NO_EXTRAS,
 ) -> None:
     """A step that verified no draft (budget 0): the anchor's next token by
     plain decoding's rule, into the batch state's ``last_ids``."""
     v, state = views, views.state
+    raw = logits  # the model's own, for the logprobs
+    if extras.processed:
+        logits = process_logits(logits.unsqueeze(0), state.sampling)[0]
     if mode is SamplingMode.GREEDY:
         torch.argmax(logits, dim=-1, out=state.last_ids)
     else:
@@ -115,6 +141,48 @@ def sample_anchor(
             scratch=v.scratch,
         )
     v.accept_lens.zero_()
+    if extras != NO_EXTRAS:
+        _committed(v)
+        if extras.logprobs:
+            v.logprobs[:, 0].copy_(token_logprobs(raw, state.last_ids))
+
+
+def _draft_history(v: DSparkStepViews) -> torch.Tensor:
+    """[g + 1, bs, V]: row j counts the drafts d_1..d_j before it."""
+    history = torch.zeros_like(v.p)
+    history[1:].scatter_(2, v.draft_index, 1.0)
+    return history.cumsum_(0)
+
+
+def _committed(v: DSparkStepViews) -> None:
+    """The step's committed tokens, d_1..d_a then the bonus, into
+    ``v.committed`` (its columns past a flagged off in ``committed_valid``)."""
+    g = v.drafts.shape[1]
+    v.committed[:, :g].copy_(v.drafts)
+    v.committed.scatter_(1, v.accept_lens.unsqueeze(1), v.state.last_ids.unsqueeze(1))
+    torch.le(
+        v.slot_offsets.view(1, -1), v.accept_lens.unsqueeze(1), out=v.committed_valid
+    )
+
+
+def _coupled_accept(v: DSparkStepViews, target_logits: torch.Tensor, ragged: bool):
+    """Seeded sampled rows: the greedy rule over target / T + G, G the noise
+    the draft drew with (-log E, per output position); their results
+    replace the others' in ``accept_row`` and ``bonus``."""
+    state = v.state
+    bs = v.accept_lens.shape[0]
+    # G = -log E: target / T + G, per slot.
+    perturbed = torch.sub(_by_slot(target_logits, v) * state.inv_temperatures, v.log_e)
+    greedy_accept(
+        views=v,
+        target_logits=perturbed.transpose(0, 1).reshape(bs * perturbed.shape[0], -1),
+        accept_lens=v.greedy_accept_lens,
+        bonus=v.greedy_bonus,
+        ragged=ragged,
+    )
+    seeded = state.sampling.is_seeded.view(1, bs)
+    torch.where(seeded, v.greedy_accept_lens, v.accept_row, out=v.accept_row)
+    torch.where(seeded, v.greedy_bonus, v.bonus, out=v.bonus)
 
 
 def accept(
@@ -123,6 +191,7 @@ def accept(
     target_logits: torch.Tensor,  # [rows run, V]
     mode: SamplingMode,
     query_index: Optional[torch.Tensor] = None,  # a ragged verify's places
+    extras: SamplingExtras = NO_EXTRAS,
 ) -> None:
     """Accept lengths into ``views.accept_lens``, the bonus into the batch
     state's ``last_ids``, by the batch's rule (chosen once, by ``mode``).
@@ -132,12 +201,33 @@ def accept(
     if ragged:
         target_logits = v.grid_logits.index_copy_(0, query_index, target_logits)
         torch.lt(v.slot_index, v.verify_lens_row, out=v.verify_mask)
+    raw = target_logits  # the model's own, for the logprobs
+    if extras.processed:  # request-major again, as the rules read it
+        processed = process_logits(
+            _by_slot(target_logits, v),
+            v.state.sampling,
+            history=_draft_history(v),
+            slot_offsets=v.slot_offsets,
+        )
+        target_logits = processed.transpose(0, 1).reshape(raw.shape)
     rule = dict(views=v, target_logits=target_logits, ragged=ragged)
     if mode is SamplingMode.GREEDY:
         greedy_accept(accept_lens=v.accept_row, bonus=v.bonus, **rule)
-        return
-    rejection_accept(accept_lens=v.accept_row, bonus=v.bonus, **rule)
-    if mode is SamplingMode.MIXED:  # greedy rows take the greedy rule's result
-        greedy_accept(accept_lens=v.greedy_accept_lens, bonus=v.greedy_bonus, **rule)
-        torch.where(v.is_sampled, v.accept_row, v.greedy_accept_lens, out=v.accept_row)
-        torch.where(v.is_sampled, v.bonus, v.greedy_bonus, out=v.bonus)
+    else:
+        rejection_accept(accept_lens=v.accept_row, bonus=v.bonus, **rule)
+        if mode is SamplingMode.MIXED:  # greedy rows take the greedy rule's
+            greedy_accept(
+                accept_lens=v.greedy_accept_lens, bonus=v.greedy_bonus, **rule
+            )
+            torch.where(
+                v.is_sampled, v.accept_row, v.greedy_accept_lens, out=v.accept_row
+            )
+            torch.where(v.is_sampled, v.bonus, v.greedy_bonus, out=v.bonus)
+        if extras.seeded:
+            _coupled_accept(v, target_logits, ragged)
+    if extras != NO_EXTRAS:
+        _committed(v)
+        if extras.logprobs:
+            bs = v.accept_lens.shape[0]
+            rows = raw.view(bs, -1, raw.shape[-1])  # request-major
+            v.logprobs.copy_(token_logprobs(rows, v.committed))

@@ -46,7 +46,13 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from sglang.srt.distributed.parallel_state import all_gather_ints, get_moe_ep_cpu_group
-from sglang.srt.layers.sampler import SamplingMode, draw_log_exp1_
+from sglang.srt.layers.sampler import (
+    NO_EXTRAS,
+    SamplingExtras,
+    SamplingMode,
+    draw_log_exp1_,
+    fill_seeded_log_e_,
+)
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, StepOutput
 from sglang.srt.managers.tp_worker import TpModelWorker, dp_rows
 from sglang.srt.model_executor.forward_batch_info import (
@@ -180,11 +186,14 @@ class DSparkWorker:
                 gamma=self.gamma, cost_table=self._cost_table(cost_table_path)
             )
 
-    def _variants(self, rows: int) -> List[Tuple[SamplingMode, int, bool]]:
+    def _variants(
+        self, rows: int
+    ) -> List[Tuple[SamplingMode, int, bool, SamplingExtras]]:
         """Every (sampling mode, budget, with confidence) a step of ``rows``
         rows may run: its CUDA graphs. A ragged verify always reports
         confidence (it shares the budget by it); a full one when the planner
-        asks; a plain step drafts nothing."""
+        asks; a plain step drafts nothing. Steps with sampling parameters
+        beyond the temperature (``SamplingExtras``) run eagerly."""
         variants = []
         for budget in self._budgets(rows):
             if budget == 0:
@@ -193,7 +202,7 @@ class DSparkWorker:
                 kinds = (True,)
             else:
                 kinds = (False, True) if self.verify_budget == "auto" else (False,)
-            variants += [(m, budget, c) for m in SamplingMode for c in kinds]
+            variants += [(m, budget, c, NO_EXTRAS) for m in SamplingMode for c in kinds]
         return variants
 
     def _budgets(self, rows: int) -> List[int]:
@@ -253,7 +262,12 @@ class DSparkWorker:
                     fb.global_num_tokens_cpu = [fb.num_tokens] * parallel.attn_dp_size
             self.graph_runner.run(
                 rows=rows,
-                variant=(SamplingMode.GREEDY, budget, 0 < budget < rows * self.gamma),
+                variant=(
+                    SamplingMode.GREEDY,
+                    budget,
+                    0 < budget < rows * self.gamma,
+                    NO_EXTRAS,
+                ),
                 max_kv_len=context + self.gamma,
             )
 
@@ -335,8 +349,9 @@ class DSparkWorker:
             and not batch.is_idle
         )
         confident = budget > 0 and (observed or budget < rows * self.gamma)
+        extras = batch.sampling_info.extras
         self.graph_runner.run(
-            rows=rows, variant=(mode, budget, confident), max_kv_len=max_kv_len
+            rows=rows, variant=(mode, budget, confident, extras), max_kv_len=max_kv_len
         )
         with self.spans("output"):
             out = self._output(batch, rows, budget, budget > 0 and observed)
@@ -427,11 +442,18 @@ class DSparkWorker:
             self._write_stashed_context(batch)
             self.proposer.prepare(views=v, batch=batch, scalar=buffers.draft_scalar)
         if mode is not SamplingMode.GREEDY:
+            seeded, st = batch.sampling_info.extras.seeded, v.state.sampling
             if budget == 0:  # the bonus alone
                 draw_log_exp1_(v.bonus_noise_rows, self.generator)
+                if seeded:  # seeded rows: their own draws, position out_lens
+                    fill_seeded_log_e_(
+                        v.bonus_noise_rows.unsqueeze(0), st, v.slot_offsets[:1]
+                    )
             else:
                 draw_log_exp1_(v.log_e, self.generator)
                 v.u.uniform_(generator=self.generator)
+                if seeded:  # slot j draws for output position out_lens + j
+                    fill_seeded_log_e_(v.log_e, st, v.slot_offsets)
         return rows, budget
 
     def _write_stashed_context(self, batch: ScheduleBatch) -> None:
@@ -465,34 +487,42 @@ class DSparkWorker:
         return self.buffers.ragged(rows, budget).batch
 
     def _device_step(
-        self, rows: int, variant: Tuple[SamplingMode, int], max_kv_len: Optional[int]
+        self,
+        rows: int,
+        variant: Tuple[SamplingMode, int, bool, SamplingExtras],
+        max_kv_len: Optional[int],
     ) -> None:
         """Draft -> verify -> accept -> commit over the first ``rows`` rows of
         the step buffers: device work only (graph-safe, compilable)."""
-        mode, budget, confident = variant
+        mode, budget, confident, extras = variant
         v = self.buffers.at(rows)
         verify = self._verify_batch(v, rows, budget)
         ragged = 0 < budget < rows * self.gamma
         with self.spans("draft"):
             self._fill_window(v, max_kv_len, plain=budget == 0)
             if budget > 0:
-                self.proposer.propose(views=v, mode=mode, confidence=confident)
+                self.proposer.propose(
+                    views=v, mode=mode, confidence=confident, extras=extras
+                )
             if ragged:
                 self._lay_out_ragged(v, rows, budget)
         with self.spans("verify"), self.spans("verify forward"):
             out = self.target_runner.forward(verify)
         with self.spans("accept"):
             if budget == 0:
-                sample_anchor(views=v, logits=out.logits, mode=mode)
+                sample_anchor(views=v, logits=out.logits, mode=mode, extras=extras)
             else:
                 accept(
                     views=v,
                     target_logits=out.logits,
                     mode=mode,
                     query_index=verify.query_index,
+                    extras=extras,
                 )
         with self.spans("commit"):
             self._commit(v, verify, out.aux_hidden_states, drafted=budget > 0)
+            if extras.processed or extras.seeded:
+                v.state.sampling.advance_(v.committed, v.committed_valid)
 
     def _fill_window(
         self, v: DSparkStepViews, max_kv_len: Optional[int], *, plain: bool
@@ -646,8 +676,13 @@ class DSparkWorker:
             )
             for req, row in zip(batch.reqs, confidence):
                 req.spec_draft_confidence = row
+        logprobs = None
+        if batch.sampling_info.extras.logprobs:  # a request asked: one more read
+            rows_lp = v.logprobs.tolist()
+            logprobs = [lp[: a + 1] for lp, a in zip(rows_lp, accept_lens)]
         return StepOutput(
             output_ids=[d[:a] + [b] for d, a, b in zip(drafts, accept_lens, bonus)],
             accepted_drafts=accept_lens,
             verified_drafts=verify_lens,
+            logprobs=logprobs,
         )
