@@ -62,6 +62,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from tqdm import tqdm
 
+from sglang import bench_plots
 from sglang.bench_stats import median_ratio
 from sglang.srt.distributed.parallel_state import get_open_port
 from sglang.srt.entrypoints.engine import Engine
@@ -788,6 +789,12 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="DIR: a chrome trace per variant")
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument(
+        "--plot-dir",
+        default=None,
+        help="write PNGs here: the variants' step times (with DP attention, "
+        "the dispatch's bytes; needs the [plot] extra)",
+    )
     args = p.parse_args(argv)
     for name in ("input_len", "steps_per_capture", "repeats", "count_steps"):
         if getattr(args, name) < 1:
@@ -812,6 +819,12 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json}: folder {folder} does not exist")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
+    if args.plot_dir is not None:
+        try:
+            bench_plots.require_matplotlib()
+        except ImportError as e:
+            p.error(str(e))
+        os.makedirs(args.plot_dir, exist_ok=True)
     try:
         result = run(args)
     except ValueError as e:  # e.g. a request that does not fit the KV
@@ -823,6 +836,12 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(result, args=vars(args)), f, indent=2)
         print(f"wrote {args.json}")
+    if args.plot_dir is not None:
+        if args.enable_dp_attention:
+            path = bench_plots.dp_bytes_plot(result, args.plot_dir)
+        else:
+            path = bench_plots.step_times_plot(result["rows"], args.plot_dir)
+        print(f"wrote {path}")
     ok = all(r["greedy_output_equal"] for rows in result["ranks"] for r in rows)
     return 0 if ok else 1
 

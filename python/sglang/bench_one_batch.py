@@ -14,10 +14,9 @@ requests finish at different steps). Within a round the engines advance in
 lockstep, ``--block-steps`` decode steps (default 16) of each in turn (who
 goes first alternates), so the two blocks of a turn saw the same machine
 load. Blocks, not single steps: an engine stepped right after the other
-runs on the other's cache state, and that slowed plain's steps more than
-DSpark's (measured, bs 8, T=1: single-step turns gave a DSpark/plain step
-cost of 2.27, blocks of 16 or 64 steps 2.56-2.59, whole rounds of one
-engine at a time 2.66-2.78; a deployment runs one engine, warm).
+runs on the other's cache state, which slows one engine's steps more than
+the other's (docs/benchmarks.md has the comparison); a deployment runs one
+engine, warm.
 Printed per temperature and batch size: each engine's decode tokens/s and
 mean step time; the DSpark/plain step-cost ratio, the geometric mean of
 the turns' ratios of mean block step times, with its 95% confidence
@@ -66,9 +65,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from sglang import bench_plots
 from sglang.bench_stats import geometric_mean_ratio, mean_ratio
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
@@ -574,6 +576,12 @@ def main(argv=None) -> int:
         "(none), or send each row only to its experts' ranks (all_to_all)",
     )
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument(
+        "--plot-dir",
+        default=None,
+        help="write PNGs here: the speedups with their intervals; with "
+        "--phases the phases as stacked bars (needs the [plot] extra)",
+    )
     args = p.parse_args(argv)
     if args.enable_dp_attention:
         if args.dp_size is None:
@@ -615,11 +623,24 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json}: folder {folder} does not exist")
         if os.path.isdir(args.json):
             p.error(f"--json {args.json} is a folder; give a file path")
+    if args.plot_dir is not None:
+        try:
+            bench_plots.require_matplotlib()
+        except ImportError as e:
+            p.error(str(e))
+        os.makedirs(args.plot_dir, exist_ok=True)
     rows = run(args)
-    if args.json and (not dist.is_initialized() or dist.get_rank() == 0):
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.json}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+            print(f"wrote {args.json}")
+        if args.plot_dir is not None:
+            paths = [bench_plots.speedup_plot(rows, args.plot_dir)]
+            if args.phases:
+                phases = {"plain": TpModelWorker.PHASES, "dspark": DSparkWorker.PHASES}
+                paths.append(bench_plots.phases_plot(rows, args.plot_dir, phases))
+            print("wrote " + ", ".join(paths))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if all(r["greedy_output_equal"] is not False for r in rows) else 1

@@ -39,7 +39,9 @@ class TestBenchDSparkStep(CustomTestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.json_path = os.path.join(cls.tmp.name, "out.json")
         cls.profile_dir = os.path.join(cls.tmp.name, "traces")
+        cls.plot_dir = os.path.join(cls.tmp.name, "plots")
         argv = TINY + ["--concurrency", "1", "3", "--json", cls.json_path]
+        argv += ["--plot-dir", cls.plot_dir]
         cls.rc, cls.stdout = _main(argv + ["--profile", cls.profile_dir])
         with open(cls.json_path) as f:
             cls.result = json.load(f)
@@ -152,6 +154,10 @@ class TestBenchDSparkStep(CustomTestCase):
         with open(os.path.join(self.profile_dir, names[0])) as f:
             self.assertGreater(len(json.load(f)["traceEvents"]), 100)
 
+    def test_step_times_plot(self):
+        with open(os.path.join(self.plot_dir, "step_times.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
     def test_json_folder_checked_before_running(self):
         with mock.patch.object(bench_dspark_step, "run") as run:
             with self.assertRaises(SystemExit) as cm:
@@ -217,9 +223,11 @@ class TestBenchDSparkStepDpAttention(CustomTestCase):
             path = os.path.join(tmp, "dp.json")
             argv = ["--input-len", "8", "--count-steps", "2", "--concurrency", "3"]
             argv += ["--ep-size", "2", "--enable-dp-attention", "--json", path]
-            cls.rc, cls.stdout = _main(argv)
+            cls.rc, cls.stdout = _main(argv + ["--plot-dir", tmp])
             with open(path) as f:
                 cls.ranks = json.load(f)["ranks"]
+            with open(os.path.join(tmp, "dp_bytes.png"), "rb") as f:
+                cls.png = f.read(8)
 
     def test_fixed_sends_no_padded_row_and_exactly_the_real_copies(self):
         self.assertEqual(self.rc, 0)
@@ -234,6 +242,9 @@ class TestBenchDSparkStepDpAttention(CustomTestCase):
                     self.assertEqual(
                         m["hidden_bytes"], m["real_row_copies"] * fixed["row_bytes"]
                     )
+
+    def test_bytes_plot(self):
+        self.assertEqual(self.png, b"\x89PNG\r\n\x1a\n")
 
     def test_before_sends_the_padded_draft_rows(self):
         # Rank 1 pads one request to rank 0's rows: without the draft

@@ -252,10 +252,13 @@ class TestBenchOneBatch(CustomTestCase):
             rc, text = _main(
                 ["--batch-size", "2", "--input-len", "4", "--output-len", "10"]
                 + ["--temperature", "0", "1", "--repeats", "1", "--phases"]
-                + ["--json", path]
+                + ["--json", path, "--plot-dir", os.path.join(d, "plots")]
             )
             with open(path) as f:
                 rows = json.load(f)
+            for name in ("speedup.png", "phases.png"):  # the plots, PNGs
+                with open(os.path.join(d, "plots", name), "rb") as f:
+                    self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
         self.assertEqual(rc, 0)
         self.assertEqual(text.count("dspark phases, in plain steps: draft"), 2)
         workers = {"plain": TpModelWorker, "dspark": DSparkWorker}
@@ -377,6 +380,21 @@ class TestBenchOneBatch(CustomTestCase):
         # Rank 0 decoded its 3 prompts, 2 at a time: 7 decode steps (the
         # first of 8 tokens is the prefill's) for the first two, 7 for the third.
         self.assertEqual(row["plain_decode_steps"], 7 * 2)
+
+    def test_plot_dir_needs_matplotlib_before_the_run(self):
+        err = io.StringIO()
+        missing = ImportError("--plot-dir needs matplotlib: pip install")
+        with (
+            mock.patch.object(bench_one_batch, "run") as run,
+            mock.patch.object(
+                bench_one_batch.bench_plots, "require_matplotlib", side_effect=missing
+            ),
+            contextlib.redirect_stderr(err),
+            self.assertRaises(SystemExit),
+        ):
+            bench_one_batch.main(["--plot-dir", "/tmp/x"])
+        self.assertIn("needs matplotlib", err.getvalue())
+        run.assert_not_called()
 
     def test_json_path_checked_before_the_run(self):
         with tempfile.TemporaryDirectory() as d:

@@ -48,12 +48,16 @@ EOS = 10  # "\n" in the byte vocabulary: it comes up often
 
 
 def _prompts(num: int, seed: int = 1):
-    return sample_prompts(load_stdlib_corpus().read("heldout"), num=num, length=32, seed=seed)
+    return sample_prompts(
+        load_stdlib_corpus().read("heldout"), num=num, length=32, seed=seed
+    )
 
 
 def _chi2_sf(stat: float, dof: int) -> float:
     """P(X >= stat), X ~ chi-square(dof): the upper regularized gamma."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0))
+    )
 
 
 def _chi2_goodness(counts: torch.Tensor, p: torch.Tensor, min_expected=5.0) -> float:
@@ -100,7 +104,10 @@ class TestValidation(CustomTestCase):
             ({"stop_token_ids": [1, -1]}, "stop_token_ids must be an int >= 0"),
             ({"ignore_eos": 1}, "ignore_eos must be a bool"),
             ({"min_new_tokens": 20}, "min_new_tokens must be an int in \\[0, max_new"),
-            ({"sampling_seed": -1}, "sampling_seed must be an int in \\[0, 2\\*\\*63\\)"),
+            (
+                {"sampling_seed": -1},
+                "sampling_seed must be an int in \\[0, 2\\*\\*63\\)",
+            ),
             ({"sampling_seed": True}, "sampling_seed"),
         ]
         for kwargs, needle in cases:
@@ -126,19 +133,28 @@ class TestValidation(CustomTestCase):
         params = [every, {"max_new_tokens": 8}, dict(every, temperature=0)]
         for algo in (None, "DSPARK"):
             with self.subTest(algorithm=algo):
-                engine = Engine(speculative_algorithm=algo, device="cpu", eos_token_id=EOS)
+                engine = Engine(
+                    speculative_algorithm=algo, device="cpu", eos_token_id=EOS
+                )
                 out = engine.generate(
-                    input_ids=_prompts(3), sampling_params=params, return_logprob=[True, False, True]
+                    input_ids=_prompts(3),
+                    sampling_params=params,
+                    return_logprob=[True, False, True],
                 )
                 self.assertEqual(len(out), 3)
-                self.assertEqual(len(out[0]["meta_info"]["output_token_logprobs"]), len(out[0]["output_ids"]))
+                self.assertEqual(
+                    len(out[0]["meta_info"]["output_token_logprobs"]),
+                    len(out[0]["output_ids"]),
+                )
                 self.assertNotIn("output_token_logprobs", out[1]["meta_info"])
                 engine.scheduler.check_pool_accounting()
 
     def test_stop_ids_outside_the_vocabulary(self):
         engine = Engine(device="cpu")
         with self.assertRaisesRegex(ValueError, "input 0: .*stop_token_ids \\[999\\]"):
-            engine.generate(input_ids=[[1, 2]], sampling_params={"stop_token_ids": [999]})
+            engine.generate(
+                input_ids=[[1, 2]], sampling_params={"stop_token_ids": [999]}
+            )
         with self.assertRaisesRegex(ValueError, "return_logprob must be"):
             engine.generate(input_ids=[[1, 2]], return_logprob="yes")
 
@@ -218,11 +234,17 @@ class TestLogprobs(CustomTestCase):
             res.append(out)
         for a, b in zip(*res):
             self.assertEqual(a["output_ids"], b["output_ids"])
-            la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+            la, lb = (
+                a["meta_info"]["output_token_logprobs"],
+                b["meta_info"]["output_token_logprobs"],
+            )
             self.assertEqual([t for _, t in la], a["output_ids"])
             self.assertEqual([t for _, t in lb], b["output_ids"])
             torch.testing.assert_close(
-                torch.tensor([x for x, _ in la]), torch.tensor([x for x, _ in lb]), rtol=0, atol=1e-4
+                torch.tensor([x for x, _ in la]),
+                torch.tensor([x for x, _ in lb]),
+                rtol=0,
+                atol=1e-4,
             )
             self.assertTrue(all(x <= 0 for x, _ in la))
 
@@ -233,8 +255,12 @@ class TestSeed(CustomTestCase):
         seeded = dict(max_new_tokens=24, temperature=1.0, top_p=0.95, sampling_seed=11)
         others = [dict(max_new_tokens=24, temperature=t) for t in (1.0, 0.7, 0.0, 1.3)]
         plain = Engine(device="cpu", max_running_requests=8)
-        spark = Engine(speculative_algorithm="DSPARK", device="cpu", max_running_requests=8)
-        alone = spark.generate(input_ids=prompts[:1], sampling_params=seeded)[0]["output_ids"]
+        spark = Engine(
+            speculative_algorithm="DSPARK", device="cpu", max_running_requests=8
+        )
+        alone = spark.generate(input_ids=prompts[:1], sampling_params=seeded)[0][
+            "output_ids"
+        ]
         in_batch = spark.generate(input_ids=prompts, sampling_params=[seeded] + others)
         self.assertEqual(in_batch[0]["output_ids"], alone)
         # Plain decoding draws the same noise per position: the same tokens.
@@ -249,9 +275,13 @@ class TestSeed(CustomTestCase):
 
 def _views(bs: int, gamma: int, vocab: int):
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
+    from sglang.srt.speculative.dspark_components.dspark_buffers import (
+        DSparkStepBuffers,
+    )
 
-    runner = ModelRunner(forward=None, req_to_token_pool=None, token_to_kv_pool=None, device="cpu")
+    runner = ModelRunner(
+        forward=None, req_to_token_pool=None, token_to_kv_pool=None, device="cpu"
+    )
     buffers = DSparkStepBuffers(
         max_batch_size=bs,
         gamma=gamma,
@@ -265,8 +295,18 @@ def _views(bs: int, gamma: int, vocab: int):
     return buffers.at(bs)
 
 
-def _processed_p(logits: torch.Tensor, *, top_k=None, top_p=None, min_p=None, counts=None,
-                 repetition=1.0, frequency=0.0, presence=0.0, seen=None) -> torch.Tensor:
+def _processed_p(
+    logits: torch.Tensor,
+    *,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    counts=None,
+    repetition=1.0,
+    frequency=0.0,
+    presence=0.0,
+    seen=None,
+) -> torch.Tensor:
     """The processed distribution, by hand (float64): penalties, then the
     truncations, at T = 1."""
     x = logits.double().clone()
@@ -332,15 +372,21 @@ class TestAcceptDistribution(CustomTestCase):
             frequency=params.get("frequency", 0.0),
             presence=params.get("presence", 0.0),
         ).float()
-        drafts = torch.multinomial(q_right, n * g, replacement=True, generator=gen).view(n, g)
+        drafts = torch.multinomial(
+            q_right, n * g, replacement=True, generator=gen
+        ).view(n, g)
         q_told = torch.softmax(draft, -1) if wrong_q else q_right  # wrong: untruncated
         v.drafts.copy_(drafts)
         v.q_drafts.copy_(q_told.expand(g, n, V))
         v.u.uniform_(generator=gen)
         draw_log_exp1_(v.log_e, gen)
         logits = target.expand(n, g + 1, V).reshape(-1, V).clone()
-        accept(views=v, target_logits=logits, mode=SamplingMode.SAMPLED,
-               extras=SamplingExtras(processed=True))
+        accept(
+            views=v,
+            target_logits=logits,
+            mode=SamplingMode.SAMPLED,
+            extras=SamplingExtras(processed=True),
+        )
         first = torch.where(v.accept_lens > 0, drafts[:, 0], v.state.last_ids)
         p = _processed_p(
             target,
@@ -387,13 +433,19 @@ class TestEngineDistribution(CustomTestCase):
             {"top_k": 4},
             {"top_p": 0.7},
             {"min_p": 0.1},
-            {"repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+            {
+                "repetition_penalty": 1.5,
+                "frequency_penalty": 0.5,
+                "presence_penalty": 0.5,
+            },
         ):
             with self.subTest(**params):
                 sp = dict(max_new_tokens=3, temperature=1.0, **params)
                 samples = []
                 for engine in (plain, spark):
-                    out = engine.generate(input_ids=[prompt] * self.N, sampling_params=sp)
+                    out = engine.generate(
+                        input_ids=[prompt] * self.N, sampling_params=sp
+                    )
                     pairs = {}
                     for r in out:
                         key = tuple(r["output_ids"][1:3])  # decode-step tokens
@@ -427,7 +479,11 @@ class TestDraftHealth(CustomTestCase):
         tensors[name].view(-1)[3] = float("nan")
         save_file(tensors, path, metadata={"format": "pt"})
         with self.assertRaisesRegex(ValueError, f"tensor '{name}' has 1 non-finite"):
-            Engine(speculative_algorithm="DSPARK", device="cpu", speculative_draft_model_path=bad)
+            Engine(
+                speculative_algorithm="DSPARK",
+                device="cpu",
+                speculative_draft_model_path=bad,
+            )
 
     def test_a_draft_never_accepted_is_logged_once(self):
         # An untrained draft beside the trained target: its blocks are
@@ -440,8 +496,12 @@ class TestDraftHealth(CustomTestCase):
             max_running_requests=8,
         )
         with self.assertLogs("sglang.srt.managers.scheduler", level="WARNING") as logs:
-            out = engine.generate(input_ids=_prompts(8, seed=6), sampling_params={"max_new_tokens": 40})
-            engine.generate(input_ids=_prompts(8, seed=7), sampling_params={"max_new_tokens": 40})
+            out = engine.generate(
+                input_ids=_prompts(8, seed=6), sampling_params={"max_new_tokens": 40}
+            )
+            engine.generate(
+                input_ids=_prompts(8, seed=7), sampling_params={"max_new_tokens": 40}
+            )
         warnings = [m for m in logs.output if "almost never accepted" in m]
         self.assertEqual(len(warnings), 1)
         running = out[0]["meta_info"]["spec_running_accept_length"]
@@ -450,7 +510,9 @@ class TestDraftHealth(CustomTestCase):
 
     def test_the_trained_pair_reports_its_running_accept_length(self):
         engine = Engine(speculative_algorithm="DSPARK", device="cpu")
-        out = engine.generate(input_ids=_prompts(4), sampling_params={"max_new_tokens": 32})
+        out = engine.generate(
+            input_ids=_prompts(4), sampling_params={"max_new_tokens": 32}
+        )
         self.assertGreater(out[0]["meta_info"]["spec_running_accept_length"], 2.0)
 
 
