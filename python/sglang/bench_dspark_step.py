@@ -630,15 +630,21 @@ def format_dp_report(result: Dict, args: argparse.Namespace) -> str:
         for rank_rows in result["ranks"]
         for r in rank_rows
     )
-    lines.append(
-        f"fixed sends no padded row: {'yes' if fixed_clean else 'NO'}; its hidden "
-        f"bytes = real row copies x row bytes on every rank: "
-        f"{'yes' if exact else 'no'}; greedy output equal across variants: "
-        + (
-            "yes"
-            if all(r["greedy_output_equal"] for rr in result["ranks"] for r in rr)
-            else "NO"
+    equal = all(r["greedy_output_equal"] for rr in result["ranks"] for r in rr)
+    if args.moe_a2a_backend == "none":
+        verdict = (
+            "the gather sends every rank's rows, padded to the longest, to every "
+            "other rank: padded rows travel whatever the scalar says (the "
+            "all-to-all dispatch is the one that leaves them out)"
         )
+    else:
+        verdict = (
+            f"fixed sends no padded row: {'yes' if fixed_clean else 'NO'}; its "
+            f"hidden bytes = real row copies x row bytes on every rank: "
+            f"{'yes' if exact else 'no'}"
+        )
+    lines.append(
+        f"{verdict}; greedy output equal across variants: {'yes' if equal else 'NO'}"
     )
     return "\n".join(lines)
 

@@ -85,14 +85,21 @@ def step_times_plot(rows: List[Dict], folder: str) -> str:
     fixed per concurrency, every block's mean as a dot."""
     plt = _pyplot()
     variants = ("before", "after", "fixed")
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(rows), figsize=(3.2 * len(rows), 3.2), squeeze=False
+    )
     for ax, r in zip(axes[0], rows):
         for i, name in enumerate(variants):
             blocks = r["block_ms_per_step"][name]
-            ax.bar(i, r["ms_per_step"][name], color=["#999999", "#d62728", "#2ca02c"][i])
+            ax.bar(
+                i, r["ms_per_step"][name], color=["#999999", "#d62728", "#2ca02c"][i]
+            )
             ax.plot([i] * len(blocks), blocks, "k.", markersize=3)
         ax.set_xticks(range(3), variants)
-        ax.set_title(f"C={r['concurrency']}: after/fixed {r['after_over_fixed']['median']:.3f}", fontsize=9)
+        ax.set_title(
+            f"C={r['concurrency']}: after/fixed {r['after_over_fixed']['median']:.3f}",
+            fontsize=9,
+        )
         ax.set_ylabel("ms per scheduler step")
     fig.suptitle("num_token_non_padded: before / after / fixed", fontsize=10)
     return _save(fig, folder, "step_times.png")
@@ -111,7 +118,9 @@ def dp_bytes_plot(result: Dict, folder: str) -> str:
                 per = v["per_step"]
                 labels.append(f"r{rank} C={r['concurrency']}\n{name}")
                 sent.append(sum(m["hidden_bytes"] for m in per.values()))
-                floor.append(sum(m["real_row_copies"] for m in per.values()) * v["row_bytes"])
+                floor.append(
+                    sum(m["real_row_copies"] for m in per.values()) * v["row_bytes"]
+                )
     xs = range(len(labels))
     ax.bar(xs, sent, color="#3b75af", label="hidden bytes sent")
     ax.plot(xs, floor, "r_", markersize=18, label="real row copies x row bytes")

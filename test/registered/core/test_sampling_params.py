@@ -17,7 +17,6 @@ under DSpark, and a draft that cannot fail silently.
   length is in ``meta_info``, and a draft that is never accepted is logged.
 """
 
-import math
 import os
 import shutil
 import tempfile
@@ -27,12 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang import Engine
-from sglang.srt.layers.sampler import (
-    NO_EXTRAS,
-    SamplingExtras,
-    SamplingMode,
-    draw_log_exp1_,
-)
+from sglang.srt.layers.sampler import SamplingExtras, SamplingMode, draw_log_exp1_
 from sglang.srt.managers.schedule_batch import SamplingParams
 from sglang.srt.model_loader.loader import WEIGHTS_NAME, save_checkpoint
 from sglang.srt.models.registry import load_draft, load_target
@@ -385,7 +379,7 @@ class TestAcceptDistribution(CustomTestCase):
             views=v,
             target_logits=logits,
             mode=SamplingMode.SAMPLED,
-            extras=SamplingExtras(processed=True),
+            extras=SamplingExtras(penalized=True, truncated=True),
         )
         first = torch.where(v.accept_lens > 0, drafts[:, 0], v.state.last_ids)
         p = _processed_p(

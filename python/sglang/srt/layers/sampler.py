@@ -42,9 +42,20 @@ class SamplingExtras:
     """What a batch's step does beyond temperature sampling, decided once
     when the batch is built; each is a variant of the step (its graph)."""
 
-    processed: bool = False  # penalties, truncation or min_new_tokens
+    penalized: bool = False  # penalties or min_new_tokens: need the history
+    truncated: bool = False  # top_k, top_p or min_p
     seeded: bool = False  # a sampled request with a sampling_seed
     logprobs: bool = False  # a request returns its tokens' logprobs
+
+    @property
+    def processed(self) -> bool:
+        """The logits go through ``process_logits``."""
+        return self.penalized or self.truncated
+
+    @property
+    def counted(self) -> bool:
+        """The step counts its committed tokens (history, output position)."""
+        return self.penalized or self.seeded
 
 
 NO_EXTRAS = SamplingExtras()
@@ -89,7 +100,8 @@ class SamplingBatchInfo:
         prompt, output, eos id and return_logprob)."""
         plain = cls.from_temperatures([r.sampling_params.temperature for r in reqs])
         extras = SamplingExtras(
-            processed=any(r.sampling_params.is_processed for r in reqs),
+            penalized=any(r.sampling_params.is_penalized for r in reqs),
+            truncated=any(r.sampling_params.is_truncated for r in reqs),
             seeded=any(
                 r.sampling_params.sampling_seed is not None
                 and r.sampling_params.temperature > 0
@@ -245,6 +257,7 @@ def process_logits(
     *,
     history: Optional[torch.Tensor] = None,  # [S, B, V]: tokens before a slot
     slot_offsets: Optional[torch.Tensor] = None,  # [S, 1] int64, 0..S-1
+    extras: SamplingExtras = SamplingExtras(penalized=True, truncated=True),
 ) -> torch.Tensor:  # [S, B, V], new
     """The sampling parameters applied to ``logits``: position s of row b
     predicts output token ``out_lens[b] + s``, with the committed tokens
@@ -252,30 +265,34 @@ def process_logits(
     Penalties first (upstream's order: repetition over prompt and output,
     frequency and presence over the output), then ``min_new_tokens``'s
     mask, then the truncations of softmax(logits / T) as -inf (greedy rows:
-    T taken as 1; their argmax always survives). No host read. Neutral
-    values leave a row's logits bitwise unchanged."""
-    counts = st.counts if history is None else st.counts + history
-    seen = st.seen if history is None else st.seen | (history > 0)
-    rp = st.repetition_penalty
-    penalized = torch.where(logits > 0, logits / rp, logits * rp)
-    out = torch.where(seen, penalized, logits)
-    out = out - (st.frequency_penalty * counts + st.presence_penalty * (counts > 0))
-    position = st.out_lens if slot_offsets is None else st.out_lens + slot_offsets
-    early = (position < st.min_new_tokens).unsqueeze(-1)  # [S, B, 1]
-    out = out.masked_fill(early & st.stop_mask, float("-inf"))
-    scaled = out * st.inv_temperatures
-    ordered, order = torch.sort(scaled, dim=-1, descending=True)
-    probs = torch.softmax(ordered, dim=-1)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass ranked above
-    drop = (  # [S, B, V], by rank
-        (ranks >= st.top_k)
-        | ((before > st.top_p) & (st.top_p < 1))
-        | (probs < st.min_p * probs[..., :1])
-    )
-    return out.masked_fill(
-        torch.zeros_like(drop).scatter(-1, order, drop), float("-inf")
-    )
+    T taken as 1; their argmax always survives). ``extras`` skips what no
+    row of the batch uses. No host read. Neutral values leave a row's
+    logits bitwise unchanged."""
+    out = logits
+    if extras.penalized:
+        counts = st.counts if history is None else st.counts + history
+        seen = st.seen if history is None else st.seen | (history > 0)
+        rp = st.repetition_penalty
+        penalized = torch.where(out > 0, out / rp, out * rp)
+        out = torch.where(seen, penalized, out)
+        out = out - (st.frequency_penalty * counts + st.presence_penalty * (counts > 0))
+        position = st.out_lens if slot_offsets is None else st.out_lens + slot_offsets
+        early = (position < st.min_new_tokens).unsqueeze(-1)  # [S, B, 1]
+        out = out.masked_fill(early & st.stop_mask, float("-inf"))
+    if extras.truncated:
+        scaled = out * st.inv_temperatures
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        ranks = torch.arange(probs.shape[-1], device=probs.device)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass ranked above
+        drop = (  # [S, B, V], by rank
+            (ranks >= st.top_k)
+            | ((before > st.top_p) & (st.top_p < 1))
+            | (probs < st.min_p * probs[..., :1])
+        )
+        mask = torch.zeros_like(drop).scatter(-1, order, drop)
+        out = out.masked_fill(mask, float("-inf"))
+    return out
 
 
 # splitmix64's constants, as signed 64-bit values (torch has no uint64 math).
@@ -397,7 +414,7 @@ def sample_first_token(
     st.load(info, torch.tensor([t > 0], device=device))
     processed = logits
     if info.extras.processed:
-        processed = process_logits(logits.unsqueeze(0), st)[0]
+        processed = process_logits(logits.unsqueeze(0), st, extras=info.extras)[0]
     if t > 0:
         log_e = torch.empty_like(processed)
         if bool(st.is_seeded[0, 0]):  # its own draws, not the generator's

@@ -145,18 +145,19 @@ class SamplingParams:
             )
 
     @property
-    def is_processed(self) -> bool:
-        """Whether its logits need the processing step (a parameter other
-        than the temperature changes the distribution)."""
+    def is_penalized(self) -> bool:
+        """Its logits depend on its history (penalties, min_new_tokens)."""
         return (
-            self.top_p < 1
-            or self.top_k != -1
-            or self.min_p > 0
-            or self.repetition_penalty != 1
+            self.repetition_penalty != 1
             or self.frequency_penalty != 0
             or self.presence_penalty != 0
             or self.min_new_tokens > 0
         )
+
+    @property
+    def is_truncated(self) -> bool:
+        """Its distribution is cut (top_k, top_p, min_p)."""
+        return self.top_p < 1 or self.top_k != -1 or self.min_p > 0
 
 
 def as_token_ids(ids, *, vocab_size: int) -> List[int]:

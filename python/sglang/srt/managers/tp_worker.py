@@ -319,7 +319,9 @@ class TpModelWorker:
         with self.spans("sample"):
             raw = logits  # the model's own, for the logprobs
             if extras.processed:
-                logits = process_logits(logits.unsqueeze(0), state.sampling)[0]
+                logits = process_logits(
+                    logits.unsqueeze(0), state.sampling, extras=extras
+                )[0]
             if mode is SamplingMode.GREEDY:
                 torch.argmax(logits, dim=-1, out=state.last_ids)
             else:
@@ -332,7 +334,7 @@ class TpModelWorker:
                 )
             if extras.logprobs:
                 v.logprobs.copy_(token_logprobs(raw, state.last_ids))
-            if extras.processed or extras.seeded:
+            if extras.counted:
                 state.sampling.advance_(state.last_ids.unsqueeze(1), None)
             state.seq_lens.add_(1)
 

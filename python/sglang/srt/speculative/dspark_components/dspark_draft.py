@@ -180,7 +180,7 @@ class DraftBlockProposer:
         base = base.view(-1, gamma, base.shape[-1])  # [bs, gamma, V]
         sampled = mode is not SamplingMode.GREEDY
         if extras.processed:
-            self._sample_processed(v, base, sampled)
+            self._sample_processed(v, base, sampled, extras)
         else:
             self._sample(v, base, sampled)
         v.drafts_by_slot.copy_(v.sampled)  # into the verify ids
@@ -245,14 +245,18 @@ class DraftBlockProposer:
             torch.argmax(v.scratch, dim=-1, out=tokens)
             prev = tokens
 
-    def _sample_processed(self, v, base: torch.Tensor, sampled: bool) -> None:
+    def _sample_processed(
+        self, v, base: torch.Tensor, sampled: bool, extras: SamplingExtras
+    ) -> None:
         """``_sample`` with each slot's corrected logits processed by the
         sampling parameters (``process_logits``: penalties counting the
         drafts before the slot, min_new_tokens, truncation) into
         ``v.corrected`` before its draw."""
         state, st = v.state, v.state.sampling
-        drafted = torch.zeros_like(st.counts)  # [bs, V]: d_1..d_k so far
-        ones = torch.ones_like(state.last_ids, dtype=drafted.dtype).unsqueeze(1)
+        drafted = None  # [bs, V]: d_1..d_k so far, what penalties count
+        if extras.penalized:
+            drafted = torch.zeros_like(st.counts)
+            ones = torch.ones_like(state.last_ids, dtype=drafted.dtype).unsqueeze(1)
         head, prev = self._markov_head(), state.last_ids
         for k, (correction, tokens) in enumerate(
             zip(v.correction_slots, v.sampled_slots)
@@ -263,8 +267,9 @@ class DraftBlockProposer:
             processed = process_logits(
                 corrected.unsqueeze(0),
                 st,
-                history=drafted.unsqueeze(0),
+                history=None if drafted is None else drafted.unsqueeze(0),
                 slot_offsets=v.slot_offsets[k : k + 1],
+                extras=extras,
             )
             corrected.copy_(processed[0])
             source = corrected
@@ -274,5 +279,6 @@ class DraftBlockProposer:
                 )
                 source = v.scratch
             torch.argmax(source, dim=-1, out=tokens)
-            drafted.scatter_add_(1, tokens.unsqueeze(1), ones)
+            if drafted is not None:
+                drafted.scatter_add_(1, tokens.unsqueeze(1), ones)
             prev = tokens

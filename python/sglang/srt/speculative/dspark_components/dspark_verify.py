@@ -129,7 +129,7 @@ def sample_anchor(
     v, state = views, views.state
     raw = logits  # the model's own, for the logprobs
     if extras.processed:
-        logits = process_logits(logits.unsqueeze(0), state.sampling)[0]
+        logits = process_logits(logits.unsqueeze(0), state.sampling, extras=extras)[0]
     if mode is SamplingMode.GREEDY:
         torch.argmax(logits, dim=-1, out=state.last_ids)
     else:
@@ -141,7 +141,7 @@ def sample_anchor(
             scratch=v.scratch,
         )
     v.accept_lens.zero_()
-    if extras != NO_EXTRAS:
+    if extras.counted or extras.logprobs:
         _committed(v)
         if extras.logprobs:
             v.logprobs[:, 0].copy_(token_logprobs(raw, state.last_ids))
@@ -206,8 +206,9 @@ def accept(
         processed = process_logits(
             _by_slot(target_logits, v),
             v.state.sampling,
-            history=_draft_history(v),
+            history=_draft_history(v) if extras.penalized else None,
             slot_offsets=v.slot_offsets,
+            extras=extras,
         )
         target_logits = processed.transpose(0, 1).reshape(raw.shape)
     rule = dict(views=v, target_logits=target_logits, ragged=ragged)
@@ -225,7 +226,7 @@ def accept(
             torch.where(v.is_sampled, v.bonus, v.greedy_bonus, out=v.bonus)
         if extras.seeded:
             _coupled_accept(v, target_logits, ragged)
-    if extras != NO_EXTRAS:
+    if extras.counted or extras.logprobs:
         _committed(v)
         if extras.logprobs:
             bs = v.accept_lens.shape[0]

@@ -521,7 +521,7 @@ class DSparkWorker:
                 )
         with self.spans("commit"):
             self._commit(v, verify, out.aux_hidden_states, drafted=budget > 0)
-            if extras.processed or extras.seeded:
+            if extras.counted:
                 v.state.sampling.advance_(v.committed, v.committed_valid)
 
     def _fill_window(
