@@ -825,12 +825,7 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json}: folder {folder} does not exist")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-    if args.plot_dir is not None:
-        try:
-            bench_plots.require_matplotlib()
-        except ImportError as e:
-            p.error(str(e))
-        os.makedirs(args.plot_dir, exist_ok=True)
+    bench_plots.prepare_plot_dir(p, args.plot_dir)
     try:
         result = run(args)
     except ValueError as e:  # e.g. a request that does not fit the KV

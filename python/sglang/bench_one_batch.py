@@ -623,12 +623,7 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json}: folder {folder} does not exist")
         if os.path.isdir(args.json):
             p.error(f"--json {args.json} is a folder; give a file path")
-    if args.plot_dir is not None:
-        try:
-            bench_plots.require_matplotlib()
-        except ImportError as e:
-            p.error(str(e))
-        os.makedirs(args.plot_dir, exist_ok=True)
+    bench_plots.prepare_plot_dir(p, args.plot_dir)
     rows = run(args)
     if not dist.is_initialized() or dist.get_rank() == 0:
         if args.json:

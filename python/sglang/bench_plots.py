@@ -19,6 +19,18 @@ def require_matplotlib() -> None:
         ) from None
 
 
+def prepare_plot_dir(parser, path) -> None:
+    """A bench's ``--plot-dir``, checked before its run: matplotlib is there
+    (else the parser's error, with the install command), the folder made."""
+    if path is None:
+        return
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        parser.error(str(e))
+    os.makedirs(path, exist_ok=True)
+
+
 def _pyplot():
     require_matplotlib()
     import matplotlib

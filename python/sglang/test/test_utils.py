@@ -83,3 +83,27 @@ def expert_groups(xs: torch.Tensor, offs: torch.Tensor):
         for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))
         if end > start
     ]
+
+
+def dspark_step_views(bs: int, gamma: int, vocab: int, max_bs: int = 0):
+    """DSpark step buffers of their own (no model behind them), cut to
+    ``bs``: for tests of the acceptance rules on synthetic logits."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.speculative.dspark_components.dspark_buffers import (
+        DSparkStepBuffers,
+    )
+
+    runner = ModelRunner(
+        forward=None, req_to_token_pool=None, token_to_kv_pool=None, device="cpu"
+    )
+    buffers = DSparkStepBuffers(
+        max_batch_size=max(bs, max_bs),
+        gamma=gamma,
+        vocab_size=vocab,
+        markov_rank=1,
+        mask_token_id=0,
+        target_runner=runner,
+        draft_runner=runner,
+    )
+    buffers.set_constants(bs)
+    return buffers.at(bs)

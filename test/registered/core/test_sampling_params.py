@@ -33,7 +33,7 @@ from sglang.srt.models.registry import load_draft, load_target
 from sglang.srt.speculative.dspark_components.dspark_verify import accept
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, dspark_step_views
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
@@ -267,28 +267,6 @@ class TestSeed(CustomTestCase):
         self.assertGreater(in_batch[0]["meta_info"]["spec_accept_length"], 1.5)
 
 
-def _views(bs: int, gamma: int, vocab: int):
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.speculative.dspark_components.dspark_buffers import (
-        DSparkStepBuffers,
-    )
-
-    runner = ModelRunner(
-        forward=None, req_to_token_pool=None, token_to_kv_pool=None, device="cpu"
-    )
-    buffers = DSparkStepBuffers(
-        max_batch_size=bs,
-        gamma=gamma,
-        vocab_size=vocab,
-        markov_rank=1,
-        mask_token_id=0,
-        target_runner=runner,
-        draft_runner=runner,
-    )
-    buffers.set_constants(bs)
-    return buffers.at(bs)
-
-
 def _processed_p(
     logits: torch.Tensor,
     *,
@@ -337,7 +315,7 @@ class TestAcceptDistribution(CustomTestCase):
         gen = torch.Generator().manual_seed(seed)
         target = torch.randn(V, generator=gen) * 1.5
         draft = target + torch.randn(V, generator=gen)
-        v = _views(n, g, V)
+        v = dspark_step_views(n, g, V)
         st = v.state.sampling
         st.inv_temperatures.fill_(1.0)
         v.state.neg_temperatures.fill_(-1.0)
@@ -355,8 +333,7 @@ class TestAcceptDistribution(CustomTestCase):
         st.out_lens.fill_(4)
         # The draft's processed q for the first slot, and draws from it (the
         # later slot's q: the same, as its history rarely matters here).
-        q_right = _processed_p(
-            draft,
+        processing = dict(
             top_k=params.get("top_k"),
             top_p=params.get("top_p"),
             min_p=params.get("min_p"),
@@ -365,7 +342,8 @@ class TestAcceptDistribution(CustomTestCase):
             repetition=params.get("repetition", 1.0),
             frequency=params.get("frequency", 0.0),
             presence=params.get("presence", 0.0),
-        ).float()
+        )
+        q_right = _processed_p(draft, **processing).float()
         drafts = torch.multinomial(
             q_right, n * g, replacement=True, generator=gen
         ).view(n, g)
@@ -382,17 +360,7 @@ class TestAcceptDistribution(CustomTestCase):
             extras=SamplingExtras(penalized=True, truncated=True),
         )
         first = torch.where(v.accept_lens > 0, drafts[:, 0], v.state.last_ids)
-        p = _processed_p(
-            target,
-            top_k=params.get("top_k"),
-            top_p=params.get("top_p"),
-            min_p=params.get("min_p"),
-            counts=history,
-            seen=history > 0,
-            repetition=params.get("repetition", 1.0),
-            frequency=params.get("frequency", 0.0),
-            presence=params.get("presence", 0.0),
-        )
+        p = _processed_p(target, **processing)
         self.assertLess((q_right - p.float()).abs().max(), 0.5)  # q is not p
         return _chi2_goodness(torch.bincount(first, minlength=V), p)
 

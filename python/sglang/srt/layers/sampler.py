@@ -393,6 +393,37 @@ def sample_tokens(
     )
 
 
+def sample_next_(
+    logits: torch.Tensor,  # [B, V]: each row's next-token logits
+    mode: SamplingMode,
+    *,
+    sampling: SamplingTensors,
+    neg_temperatures: torch.Tensor,  # [B, 1]
+    log_e: torch.Tensor,  # [B, V]: the step's noise (unread when greedy)
+    scratch: torch.Tensor,  # [B, V]
+    out: torch.Tensor,  # [B] int64
+    extras: SamplingExtras = NO_EXTRAS,
+) -> torch.Tensor:
+    """Plain decoding's rule for one token per row, into ``out``: the
+    sampling parameters' processing (when the batch uses any), then the
+    argmax (greedy) or the Gumbel rule. Returns the logits it sampled from
+    before processing (the model's own, what logprobs read)."""
+    raw = logits
+    if extras.processed:
+        logits = process_logits(logits.unsqueeze(0), sampling, extras=extras)[0]
+    if mode is SamplingMode.GREEDY:
+        torch.argmax(logits, dim=-1, out=out)
+    else:
+        gumbel_argmax(
+            scores=logits,
+            log_e=log_e,
+            neg_temperatures=neg_temperatures,
+            out=out,
+            scratch=scratch,
+        )
+    return raw
+
+
 def sample_first_token(
     logits: torch.Tensor,  # [1, vocab]: the prompt's last row
     req: Any,  # a schedule_batch.Req

@@ -22,9 +22,8 @@ from sglang.srt.layers.sampler import (
     SamplingMode,
     draw_log_exp1_,
     fill_seeded_log_e_,
-    gumbel_argmax,
-    process_logits,
     sample_first_token,
+    sample_next_,
     token_logprobs,
 )
 from sglang.srt.managers.schedule_batch import (
@@ -317,21 +316,16 @@ class TpModelWorker:
         with self.spans("forward"):
             logits = self.model_runner.forward(v.forward_batch).logits  # [rows, V]
         with self.spans("sample"):
-            raw = logits  # the model's own, for the logprobs
-            if extras.processed:
-                logits = process_logits(
-                    logits.unsqueeze(0), state.sampling, extras=extras
-                )[0]
-            if mode is SamplingMode.GREEDY:
-                torch.argmax(logits, dim=-1, out=state.last_ids)
-            else:
-                gumbel_argmax(
-                    scores=logits,
-                    log_e=v.log_e,
-                    neg_temperatures=state.neg_temperatures,
-                    out=state.last_ids,
-                    scratch=v.scratch,
-                )
+            raw = sample_next_(
+                logits,
+                mode,
+                sampling=state.sampling,
+                neg_temperatures=state.neg_temperatures,
+                log_e=v.log_e,
+                scratch=v.scratch,
+                out=state.last_ids,
+                extras=extras,
+            )
             if extras.logprobs:
                 v.logprobs.copy_(token_logprobs(raw, state.last_ids))
             if extras.counted:

@@ -7,8 +7,6 @@ import unittest
 import torch
 
 from sglang.srt.layers.sampler import SamplingMode, draw_log_exp1_
-from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_verify import (
     accept,
     greedy_accept,
@@ -16,7 +14,7 @@ from sglang.srt.speculative.dspark_components.dspark_verify import (
 )
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, dspark_step_views
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
@@ -35,22 +33,7 @@ def _frequencies(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(ids, minlength=vocab).double() / ids.numel()
 
 
-def _views(bs: int, gamma: int, vocab: int, max_bs: int = 0):
-    """Step buffers of their own (no model behind them), cut to ``bs``."""
-    runner = ModelRunner(
-        forward=None, req_to_token_pool=None, token_to_kv_pool=None, device="cpu"
-    )
-    buffers = DSparkStepBuffers(
-        max_batch_size=max(bs, max_bs),
-        gamma=gamma,
-        vocab_size=vocab,
-        markov_rank=1,
-        mask_token_id=0,
-        target_runner=runner,
-        draft_runner=runner,
-    )
-    buffers.set_constants(bs)
-    return buffers.at(bs)
+_views = dspark_step_views
 
 
 def _set_temperatures(views, temperatures) -> None:

@@ -43,8 +43,8 @@ from sglang.srt.layers.sampler import (
     NO_EXTRAS,
     SamplingExtras,
     SamplingMode,
-    gumbel_argmax,
     process_logits,
+    sample_next_,
     token_logprobs,
 )
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepViews
@@ -127,19 +127,16 @@ def sample_anchor(
     """A step that verified no draft (budget 0): the anchor's next token by
     plain decoding's rule, into the batch state's ``last_ids``."""
     v, state = views, views.state
-    raw = logits  # the model's own, for the logprobs
-    if extras.processed:
-        logits = process_logits(logits.unsqueeze(0), state.sampling, extras=extras)[0]
-    if mode is SamplingMode.GREEDY:
-        torch.argmax(logits, dim=-1, out=state.last_ids)
-    else:
-        gumbel_argmax(
-            scores=logits,
-            log_e=v.bonus_noise_rows,
-            neg_temperatures=state.neg_temperatures,
-            out=state.last_ids,
-            scratch=v.scratch,
-        )
+    raw = sample_next_(
+        logits,
+        mode,
+        sampling=state.sampling,
+        neg_temperatures=state.neg_temperatures,
+        log_e=v.bonus_noise_rows,
+        scratch=v.scratch,
+        out=state.last_ids,
+        extras=extras,
+    )
     v.accept_lens.zero_()
     if extras.counted or extras.logprobs:
         _committed(v)
