@@ -68,7 +68,12 @@ from sglang.bench_stats import mean_ratio
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.layers.moe.ep_moe import DENSE_MAX_ROW_EXPERTS
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
-from sglang.srt.model_loader.loader import CONFIG_NAME, WEIGHTS_NAME, save_checkpoint
+from sglang.srt.model_loader.loader import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    read_json,
+    save_checkpoint,
+)
 from sglang.srt.models.dspark import (
     MARKOV_TABLE_MAX_VOCAB,
     DSparkDraftConfig,
@@ -334,11 +339,7 @@ def load_spec(path: str) -> ModelSpec:
     file = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise ValueError(f"{file}: no such config file")
-    try:
-        with open(file) as f:
-            cfg = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    cfg = read_json(file)
     stem = os.path.splitext(os.path.basename(file))[0]
     name = os.path.basename(os.path.dirname(os.path.abspath(file)))
     if os.path.abspath(os.path.dirname(file)) == os.path.abspath(DEFAULT_MODEL_PATH):
