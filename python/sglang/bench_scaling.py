@@ -97,7 +97,7 @@ STAND_IN_HIDDEN, STAND_IN_HEADS, STAND_IN_STEPS = 8, 2, 34
 QUICK = dict(
     batch_size=[1, 8, 32],
     context=[64, 512],
-    turns=4,
+    turns=6,
     block_steps=4,
     max_measure_mb=100.0,
     max_prefill_tokens=8192,
@@ -1453,71 +1453,83 @@ def format_report(result: Dict) -> str:
     return "\n".join(lines)
 
 
+def _plot_steps(ax, rows: List[Dict], name: str) -> None:
+    """Step time vs batch size: projected lines, measured markers, a line
+    style and marker per context."""
+    from matplotlib import ticker
+
+    contexts = sorted({r["context"] for r in rows})
+    styles = list(zip(("--", "-", ":", "-."), ("o", "s", "^", "D")))
+    for engine, color in zip(ENGINES, ("tab:blue", "tab:orange")):
+        for ctx, (line, marker) in zip(contexts, itertools.cycle(styles)):
+            mine = sorted(
+                (r for r in rows if r["engine"] == engine and r["context"] == ctx),
+                key=lambda r: r["batch_size"],
+            )
+            ax.plot(
+                [r["batch_size"] for r in mine],
+                [r["projected_ms"] for r in mine],
+                line,
+                color=color,
+                label=f"{engine} ctx {ctx}",
+            )
+            got = [r for r in mine if r["measured_ms"] is not None]
+            ax.plot(
+                [r["batch_size"] for r in got],
+                [r["measured_ms"] for r in got],
+                marker,
+                color=color,
+                fillstyle="none",
+            )
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms / step")
+    numbers = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.set_xticks(sorted({r["batch_size"] for r in rows}))
+    ax.xaxis.set_major_formatter(numbers)
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.yaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 5.0)))
+    ax.yaxis.set_major_formatter(numbers)
+    ax.yaxis.set_minor_formatter(numbers)
+    ax.set_title(f"{name}: projected (lines), measured (markers)", fontsize=9)
+    ax.legend(fontsize=6)
+
+
+def _plot_speedup(ax, speedups: List[Dict]) -> None:
+    """Projected speedup vs accepted length per batch size, at the largest
+    context measured (else the largest); x: measured."""
+    measured = [s["context"] for s in speedups if "measured" in s]
+    ctx = max(measured or [s["context"] for s in speedups])
+    for s in speedups:
+        if s["context"] == ctx:
+            taus = sorted(s["projected"], key=int)
+            (line,) = ax.plot(
+                [int(t) for t in taus],
+                [s["projected"][t] for t in taus],
+                marker=".",
+                label=f"bs {s['batch_size']}",
+            )
+            if "measured" in s:
+                tau, speedup = s["measured_accept_length"], s["measured"]
+                ax.plot(tau, speedup, "x", color=line.get_color(), markersize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="accepted length (tokens per verify)", ylabel="speedup")
+    ax.set_title(f"DSpark speedup, ctx {ctx} (x: measured)", fontsize=9)
+    ax.legend(fontsize=6)
+
+
 def write_plots(result: Dict, folder: str) -> List[str]:
-    """Per config: step time vs batch size (projected lines, measured
-    points) and the projected speedup vs accepted length."""
+    """A PNG per config: step time vs batch size, speedup vs accepted length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import ticker
 
     os.makedirs(folder, exist_ok=True)
     paths = []
     for config in result["configs"]:
         name = config["name"]
-        rows = [r for r in result["rows"] if r["config"] == name]
-        contexts = sorted({r["context"] for r in rows})
         fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
-        for engine, color in zip(ENGINES, ("tab:blue", "tab:orange")):
-            for i, ctx in enumerate(contexts):
-                mine = sorted(
-                    (r for r in rows if r["engine"] == engine and r["context"] == ctx),
-                    key=lambda r: r["batch_size"],
-                )
-                bs = [r["batch_size"] for r in mine]
-                alpha = 0.35 + 0.65 * (i + 1) / len(contexts)
-                left.plot(
-                    bs,
-                    [r["projected_ms"] for r in mine],
-                    color=color,
-                    alpha=alpha,
-                    label=f"{engine} ctx {ctx}",
-                )
-                got = [r for r in mine if r["measured_ms"] is not None]
-                left.plot(
-                    [r["batch_size"] for r in got],
-                    [r["measured_ms"] for r in got],
-                    "o",
-                    color=color,
-                    alpha=alpha,
-                )
-        left.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms / step")
-        plain_numbers = ticker.FuncFormatter(lambda v, _: f"{v:g}")
-        left.set_xticks(sorted({r["batch_size"] for r in rows}))
-        left.xaxis.set_major_formatter(plain_numbers)
-        left.xaxis.set_minor_formatter(ticker.NullFormatter())
-        left.yaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 5.0)))
-        for formatter in (
-            left.yaxis.set_major_formatter,
-            left.yaxis.set_minor_formatter,
-        ):
-            formatter(plain_numbers)
-        left.set_title(f"{name}: projected (lines), measured (dots)", fontsize=9)
-        left.legend(fontsize=6)
-        ctx = contexts[-1]
-        for s in result["speedup"]:
-            if s["config"] == name and s["context"] == ctx:
-                taus = sorted(s["projected"], key=int)
-                speed = [s["projected"][t] for t in taus]
-                taus = [int(t) for t in taus]
-                right.plot(taus, speed, marker=".", label=f"bs {s['batch_size']}")
-                if "measured" in s:
-                    right.plot(s["measured_accept_length"], s["measured"], "kx")
-        right.axhline(1.0, color="grey", linewidth=0.8)
-        right.set(xlabel="accepted length (tokens per verify)", ylabel="speedup")
-        right.set_title(f"DSpark speedup, ctx {ctx} (x: measured)", fontsize=9)
-        right.legend(fontsize=6)
+        _plot_steps(left, [r for r in result["rows"] if r["config"] == name], name)
+        _plot_speedup(right, [s for s in result["speedup"] if s["config"] == name])
         fig.tight_layout()
         path = os.path.join(folder, f"{name}.png")
         fig.savefig(path, dpi=72)
@@ -1536,7 +1548,12 @@ def main(argv=None) -> int:
         "allowed); default: the shipped bench_configs/*.json. The embedded pair "
         "is always included",
     )
-    p.add_argument("--quick", action="store_true", help="a small subset, < 2 min here")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small grid: batch sizes {QUICK['batch_size']}, contexts "
+        f"{QUICK['context']}, configs up to {QUICK['max_measure_mb']:g} MB measured",
+    )
     p.add_argument("--batch-size", type=int, nargs="+", default=None)
     p.add_argument("--context", type=int, nargs="+", default=None, help="prompt tokens")
     p.add_argument("--turns", type=int, default=None, help="lockstep turns per point")
@@ -1617,7 +1634,9 @@ def main(argv=None) -> int:
             spec = load_spec(path)
         except ValueError as e:
             p.error(f"--config: {e}")
-        if spec.name in names or spec.name == "embedded":
+        if spec.name == "embedded":
+            p.error(f"--config: {path}: the embedded pair is always included")
+        if spec.name in names:
             p.error(f"--config: {path}: a second config named {spec.name!r}")
         names.add(spec.name)
     start = time.perf_counter()
