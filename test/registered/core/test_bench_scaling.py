@@ -184,6 +184,7 @@ class TestConfigs(CustomTestCase):
                 (["--json", missing], "does not exist"),
                 (["--config", os.path.join(d, "none.json")], "no such config"),
                 (["--config", MOE_S, MOE_S], "a second config"),
+                (["--config", DEFAULT_MODEL_PATH], "always included"),
             ):
                 with self.subTest(argv=argv):
                     rc, _, err = _main(argv)
