@@ -392,16 +392,9 @@ def why_not_buildable(spec: ModelSpec) -> Optional[str]:
 
 def build_checkpoint(spec: ModelSpec, path: str, *, seed: int, max_position: int):
     """A checkpoint of ``spec`` with seeded random weights, bundling its draft."""
-    config = TinyMoEConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        num_layers=spec.num_layers,
-        num_heads=spec.num_heads,
-        num_experts=spec.num_experts,
-        top_k=spec.top_k,
-        moe_intermediate_size=spec.moe_intermediate_size,
-        max_position=max_position,
-    )
+    # The slice's config fields, under the same names in the spec.
+    fields = {f: getattr(spec, f) for f in TinyMoEConfig.__dataclass_fields__}
+    config = TinyMoEConfig(**dict(fields, max_position=max_position))
     d = spec.draft
     draft_config = DSparkDraftConfig(
         num_layers=d.num_layers,
