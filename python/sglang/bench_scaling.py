@@ -821,7 +821,13 @@ class EnginePair:
         )
         self.engines = {
             "plain": Engine(speculative_algorithm=None, **common),
-            "dspark": Engine(speculative_algorithm="DSPARK", **common),
+            # Every draft verified: the step the cost model describes (a
+            # planned budget would make low-confidence steps plain ones).
+            "dspark": Engine(
+                speculative_algorithm="DSPARK",
+                speculative_verify_budget="off",
+                **common,
+            ),
         }
         self.gamma = self.engines["dspark"].dspark_config.gamma
         self.vocab_size = self.engines["plain"].vocab_size
@@ -964,7 +970,10 @@ def measure_point(
             with experts_hit(_router_parts(name, engine)) as seen:
                 for _ in range(HOOKED_STEPS):
                     steady_step(engine, bs)
-            hits.update({part: statistics.fmean(n) for part, n in seen.items()})
+            # A router no step called (no such part ran) has no count.
+            hits.update(
+                {p: statistics.fmean(n) if n else None for p, n in seen.items()}
+            )
         verify = sum(r.spec_verify_ct for r in reqs["dspark"])
         accepted = sum(r.spec_accepted_drafts for r in reqs["dspark"])
     return {"blocks": blocks, "hits": hits, "accept_length": 1 + accepted / verify}
@@ -1413,7 +1422,10 @@ def _experts_table(result: Dict) -> List[str]:
     moe = {c["name"] for c in result["configs"] if c["spec"]["num_experts"] > 1}
     rows = [
         [r["config"], r["batch_size"], r["context"], part, h["rows"]]
-        + [f"{h['uniform']:.2f}", f"{h['measured']:.2f}"]
+        + [
+            f"{h['uniform']:.2f}",
+            "-" if h["measured"] is None else f"{h['measured']:.2f}",
+        ]
         for r in result["rows"]
         if r["measured_ms"] is not None and r["config"] in moe
         for part, h in r["experts_hit"].items()
