@@ -179,7 +179,9 @@ class ModelSpec:
 _MISSING = object()
 
 
-def _field(cfg: dict, names: Sequence[str], file: str, *, default=_MISSING, minimum=1):
+def _field(
+    cfg: dict, names: Sequence[str], file: str, *, default=_MISSING, minimum: int = 1
+):
     """The first of ``names`` present in ``cfg``: an int >= minimum."""
     for name in names:
         value = cfg.get(name)
@@ -292,7 +294,9 @@ def spec_from_config(cfg: dict, *, name: str, file: str) -> ModelSpec:
     )
 
 
-def _draft_spec(cfg: dict, file: str, *, layers: int, experts: int, top_k: int):
+def _draft_spec(
+    cfg: dict, file: str, *, layers: int, experts: int, top_k: int
+) -> DraftSpec:
     """The DSpark draft a config bundles (upstream's ``dspark_*`` fields), or
     one layer of the target's own experts with the slice's defaults."""
     d_experts = _field(cfg, ("dspark_num_experts",), file, default=experts)
@@ -356,13 +360,12 @@ def shipped_configs() -> List[str]:
 
 
 def slice_checkpoint(spec: ModelSpec) -> Optional[str]:
-    """The slice's own checkpoint a config file belongs to (its weights are
-    next to it and it bundles a draft), else None (random weights)."""
+    """The slice's checkpoint directory a config.json belongs to (its weights
+    next to it), else None: the bench draws random weights."""
+    if os.path.basename(spec.source) != CONFIG_NAME:
+        return None
     folder = os.path.dirname(os.path.abspath(spec.source))
-    has_weights = os.path.isfile(os.path.join(folder, WEIGHTS_NAME))
-    return (
-        folder if has_weights and os.path.basename(spec.source) == CONFIG_NAME else None
-    )
+    return folder if os.path.isfile(os.path.join(folder, WEIGHTS_NAME)) else None
 
 
 def why_not_buildable(spec: ModelSpec) -> Optional[str]:
@@ -390,7 +393,9 @@ def why_not_buildable(spec: ModelSpec) -> Optional[str]:
     return "; ".join(reasons) or None
 
 
-def build_checkpoint(spec: ModelSpec, path: str, *, seed: int, max_position: int):
+def build_checkpoint(
+    spec: ModelSpec, path: str, *, seed: int, max_position: int
+) -> None:
     """A checkpoint of ``spec`` with seeded random weights, bundling its draft."""
     # The slice's config fields, under the same names in the spec.
     fields = {f: getattr(spec, f) for f in TinyMoEConfig.__dataclass_fields__}
@@ -417,7 +422,8 @@ def stand_in(spec: ModelSpec) -> ModelSpec:
     """``spec``'s structure as the slice runs it (layers, experts, top-k, the
     draft, the Markov head's path) with tensors that hold almost nothing: its
     op count is ``spec``'s, its step time is overhead."""
-    small_vocab = 32 if spec.vocab_size <= MARKOV_TABLE_MAX_VOCAB else 1025
+    table = spec.vocab_size <= MARKOV_TABLE_MAX_VOCAB  # the head's path
+    small_vocab = 32 if table else MARKOV_TABLE_MAX_VOCAB + 1
     return replace(
         spec,
         name=f"{spec.name} (stand-in)",
@@ -488,7 +494,9 @@ def _kv_per_token(spec: ModelSpec) -> int:
     return 2 * spec.num_kv_heads * spec.head_dim
 
 
-def _attention(spec: ModelSpec, *, bs: int, q_len: int, kv_bound: int, kernels: str):
+def _attention(
+    spec: ModelSpec, *, bs: int, q_len: int, kv_bound: int, kernels: str
+) -> Cost:
     """One layer's norms, projections and attention over ``kv_bound`` keys."""
     b, h, nh, rows = spec.dtype_bytes, spec.hidden_size, spec.num_heads, bs * q_len
     params, kv_token = _attention_params(spec), _kv_per_token(spec)
@@ -515,7 +523,9 @@ def _attention(spec: ModelSpec, *, bs: int, q_len: int, kv_bound: int, kernels: 
     )
 
 
-def _metadata(spec: ModelSpec, *, bs: int, q_len: int, kv_bound: int, mask: bool):
+def _metadata(
+    spec: ModelSpec, *, bs: int, q_len: int, kv_bound: int, mask: bool
+) -> Cost:
     """What a forward builds once for every layer (the slice's kernels): the
     rows' rotary tables, the KV slots to gather and (but for the draft block,
     which reads the verify's) the mask."""
@@ -810,7 +820,7 @@ class EnginePair:
         context_length: int,
         max_total_tokens: int,
         seed: int,
-    ):
+    ) -> None:
         common = dict(
             model_path=model_path,
             device="cpu",
@@ -876,7 +886,9 @@ def steady_step(engine: Engine, bs: int) -> None:
         )
 
 
-def count_ops(pair: EnginePair, batch_sizes: Sequence[int], *, seed: int):
+def count_ops(
+    pair: EnginePair, batch_sizes: Sequence[int], *, seed: int
+) -> Dict[str, Dict[int, int]]:
     """Exact aten ops of one steady decode step, per engine and batch size."""
     out: Dict[str, Dict[int, int]] = {name: {} for name in ENGINES}
     for bs in batch_sizes:
@@ -1034,7 +1046,9 @@ def _point_kv_need(args: argparse.Namespace, *, context: int, gamma: int) -> int
     return kv_need(context=context, steps=steps, gamma=gamma)
 
 
-def _stand_in_pair(spec: ModelSpec, workdir: str, *, max_bs: int, seed: int):
+def _stand_in_pair(
+    spec: ModelSpec, workdir: str, *, max_bs: int, seed: int
+) -> EnginePair:
     """Engines of ``spec``'s stand-in, for op counts and the empty-op
     microbench (4-token prompts, up to STAND_IN_STEPS steps)."""
     path = tempfile.mkdtemp(dir=workdir)
@@ -1050,7 +1064,9 @@ def _stand_in_pair(spec: ModelSpec, workdir: str, *, max_bs: int, seed: int):
     )
 
 
-def measure_machine(embedded: ModelSpec, workdir: str, *, max_bs: int, seed: int):
+def measure_machine(
+    embedded: ModelSpec, workdir: str, *, max_bs: int, seed: int
+) -> Tuple[Machine, Dict]:
     """This machine's figures, and the empty-op microbench at bs 1 and at
     ``max_bs`` (the per-op overhead the roofline uses is bs 1's)."""
     pair = _stand_in_pair(embedded, workdir, max_bs=max_bs, seed=seed)
@@ -1071,7 +1087,16 @@ def measure_machine(embedded: ModelSpec, workdir: str, *, max_bs: int, seed: int
     return machine, extra
 
 
-def _row(plan: ConfigPlan, *, engine, bs, context, ops, machine, point=None) -> Dict:
+def _row(
+    plan: ConfigPlan,
+    *,
+    engine: str,
+    bs: int,
+    context: int,
+    ops: int,
+    machine: Machine,
+    point: Optional[Dict] = None,  # measure_point's figures, where measured
+) -> Dict:
     """One (config, engine, batch size, context) row: bytes, FLOPs, ops and
     the projected step; with ``point``, also what it measured, the step
     projected at the contexts its blocks ran and the experts they hit."""
@@ -1159,7 +1184,9 @@ def _row(plan: ConfigPlan, *, engine, bs, context, ops, machine, point=None) -> 
     return row
 
 
-def _given_or_measured_machine(args, embedded: ModelSpec, workdir: str):
+def _given_or_measured_machine(
+    args: argparse.Namespace, embedded: ModelSpec, workdir: str
+) -> Tuple[Machine, Dict]:
     if args.bandwidth_gbs is None:
         machine, extra = measure_machine(
             embedded, workdir, max_bs=max(args.batch_size), seed=args.seed
@@ -1180,7 +1207,9 @@ def _given_or_measured_machine(args, embedded: ModelSpec, workdir: str):
     return machine, extra
 
 
-def _measure_config(plan: ConfigPlan, args, workdir: str, bar) -> Dict:
+def _measure_config(
+    plan: ConfigPlan, args: argparse.Namespace, workdir: str, bar: tqdm
+) -> Dict:
     """Every measured point of one config: (name, bs, context) -> its figures."""
     spec, g = plan.spec, plan.spec.draft.gamma
     # Room for the largest point's requests, KV for the point that needs most.
