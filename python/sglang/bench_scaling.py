@@ -63,6 +63,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from tqdm import tqdm
 
+from sglang import bench_plots
 from sglang.bench_dspark_step import scalar_cost_us
 from sglang.bench_stats import mean_ratio
 from sglang.srt.entrypoints.engine import Engine
@@ -1489,91 +1490,6 @@ def format_report(result: Dict) -> str:
     return "\n".join(lines)
 
 
-def _plot_steps(ax, rows: List[Dict], name: str) -> None:
-    """Step time vs batch size: projected lines, measured markers, a line
-    style and marker per context."""
-    from matplotlib import ticker
-
-    contexts = sorted({r["context"] for r in rows})
-    styles = list(zip(("--", "-", ":", "-."), ("o", "s", "^", "D")))
-    for engine, color in zip(ENGINES, ("tab:blue", "tab:orange")):
-        for ctx, (line, marker) in zip(contexts, itertools.cycle(styles)):
-            mine = sorted(
-                (r for r in rows if r["engine"] == engine and r["context"] == ctx),
-                key=lambda r: r["batch_size"],
-            )
-            ax.plot(
-                [r["batch_size"] for r in mine],
-                [r["projected_ms"] for r in mine],
-                line,
-                color=color,
-                label=f"{engine} ctx {ctx}",
-            )
-            got = [r for r in mine if r["measured_ms"] is not None]
-            ax.plot(
-                [r["batch_size"] for r in got],
-                [r["measured_ms"] for r in got],
-                marker,
-                color=color,
-                fillstyle="none",
-            )
-    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms / step")
-    numbers = ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    ax.set_xticks(sorted({r["batch_size"] for r in rows}))
-    ax.xaxis.set_major_formatter(numbers)
-    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    ax.yaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 5.0)))
-    ax.yaxis.set_major_formatter(numbers)
-    ax.yaxis.set_minor_formatter(numbers)
-    ax.set_title(f"{name}: projected (lines), measured (markers)", fontsize=9)
-    ax.legend(fontsize=6)
-
-
-def _plot_speedup(ax, speedups: List[Dict]) -> None:
-    """Projected speedup vs accepted length per batch size, at the largest
-    context measured (else the largest); x: measured."""
-    measured = [s["context"] for s in speedups if "measured" in s]
-    ctx = max(measured or [s["context"] for s in speedups])
-    for s in speedups:
-        if s["context"] == ctx:
-            taus = sorted(s["projected"], key=int)
-            (line,) = ax.plot(
-                [int(t) for t in taus],
-                [s["projected"][t] for t in taus],
-                marker=".",
-                label=f"bs {s['batch_size']}",
-            )
-            if "measured" in s:
-                tau, speedup = s["measured_accept_length"], s["measured"]
-                ax.plot(tau, speedup, "x", color=line.get_color(), markersize=8)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set(xlabel="accepted length (tokens per verify)", ylabel="speedup")
-    ax.set_title(f"DSpark speedup, ctx {ctx} (x: measured)", fontsize=9)
-    ax.legend(fontsize=6)
-
-
-def write_plots(result: Dict, folder: str) -> List[str]:
-    """A PNG per config: step time vs batch size, speedup vs accepted length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(folder, exist_ok=True)
-    paths = []
-    for config in result["configs"]:
-        name = config["name"]
-        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
-        _plot_steps(left, [r for r in result["rows"] if r["config"] == name], name)
-        _plot_speedup(right, [s for s in result["speedup"] if s["config"] == name])
-        fig.tight_layout()
-        path = os.path.join(folder, f"{name}.png")
-        fig.savefig(path, dpi=72)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -1647,21 +1563,8 @@ def main(argv=None) -> int:
         p.error("--max-measure-mb and --max-prefill-tokens must be > 0")
     args.batch_size = sorted(set(args.batch_size))
     args.context = sorted(set(args.context))
-    for flag, path in (("--json", args.json), ("--plot-dir", args.plot_dir)):
-        if path is not None:
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                p.error(f"{flag} {path}: folder {folder} does not exist")
-    if args.json is not None and os.path.isdir(args.json):
-        p.error(f"--json {args.json} is a folder; give a file path")
-    if args.plot_dir is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            p.error(
-                "--plot-dir needs matplotlib: pip install -e '.[plot]' (or drop "
-                "--plot-dir)"
-            )
+    bench_plots.check_json_path(p, args.json)
+    bench_plots.prepare_plot_dir(p, args.plot_dir)
     if args.config is None:
         args.config = shipped_configs()
     names = set()
@@ -1685,7 +1588,7 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot_dir:
-        for path in write_plots(result, args.plot_dir):
+        for path in bench_plots.scaling_plots(result, args.plot_dir):
             print(f"wrote {path}")
     return 0
 

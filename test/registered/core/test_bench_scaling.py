@@ -11,6 +11,7 @@ from unittest import mock
 
 import torch
 
+from sglang import bench_plots
 from sglang import bench_scaling as bs
 from sglang.srt.models.registry import DEFAULT_MODEL_PATH
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -350,7 +351,7 @@ class TestRun(CustomTestCase):
         except ImportError:
             self.skipTest("matplotlib is not installed (pip install -e '.[plot]')")
         with tempfile.TemporaryDirectory() as d:
-            paths = bs.write_plots(self.result, d)
+            paths = bench_plots.scaling_plots(self.result, d)
             self.assertEqual(len(paths), 3)
             for path in paths:
                 with open(path, "rb") as f:
