@@ -617,12 +617,7 @@ def main(argv=None) -> int:
         SamplingParams(**_sampling_extras(args))
     except ValueError as e:
         p.error(str(e))
-    if args.json is not None:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            p.error(f"--json {args.json}: folder {folder} does not exist")
-        if os.path.isdir(args.json):
-            p.error(f"--json {args.json} is a folder; give a file path")
+    bench_plots.check_json_path(p, args.json)
     bench_plots.prepare_plot_dir(p, args.plot_dir)
     rows = run(args)
     if not dist.is_initialized() or dist.get_rank() == 0:

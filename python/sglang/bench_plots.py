@@ -2,9 +2,11 @@
 
 matplotlib is an optional extra (``pip install -e '.[plot]'``); the benches
 check for it before they run (``require_matplotlib``), so a long run never
-ends without its plots. Every plot is drawn from a bench's own JSON rows.
+ends without its plots; their other output, ``--json FILE``, is checked here
+too (``check_json_path``). Every plot is drawn from a bench's own JSON rows.
 """
 
+import itertools
 import os
 from typing import Dict, List
 
@@ -17,6 +19,18 @@ def require_matplotlib() -> None:
         raise ImportError(
             "--plot-dir needs matplotlib: pip install -e '.[plot]'"
         ) from None
+
+
+def check_json_path(parser, path) -> None:
+    """A bench's ``--json`` file, checked before its run: its folder exists
+    and it is not a folder itself (else the parser's error)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"--json {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        parser.error(f"--json {path} is a folder; give a file path")
 
 
 def prepare_plot_dir(parser, path) -> None:
@@ -141,3 +155,76 @@ def dp_bytes_plot(result: Dict, folder: str) -> str:
     ax.legend(fontsize=7)
     ax.set_title("MoE dispatch under DP attention", fontsize=10)
     return _save(fig, folder, "dp_bytes.png")
+
+
+def scaling_plots(result: Dict, folder: str) -> List[str]:
+    """bench_scaling: a PNG per config, its step time against batch size
+    (projected lines, measured markers, one style per context) and DSpark's
+    projected speedup against accepted length (x: measured)."""
+    plt = _pyplot()
+    paths = []
+    for config in result["configs"]:
+        name = config["name"]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+        _scaling_steps(left, [r for r in result["rows"] if r["config"] == name])
+        left.set_title(f"{name}: projected (lines), measured (markers)", fontsize=9)
+        _scaling_speedup(right, [s for s in result["speedup"] if s["config"] == name])
+        paths.append(_save(fig, folder, f"{name}.png"))
+        plt.close(fig)
+    return paths
+
+
+def _scaling_steps(ax, rows: List[Dict]) -> None:
+    from matplotlib import ticker
+
+    contexts = sorted({r["context"] for r in rows})
+    styles = list(zip(("--", "-", ":", "-."), ("o", "s", "^", "D")))
+    for engine, color in (("plain", "tab:blue"), ("dspark", "tab:orange")):
+        for ctx, (line, marker) in zip(contexts, itertools.cycle(styles)):
+            mine = sorted(
+                (r for r in rows if r["engine"] == engine and r["context"] == ctx),
+                key=lambda r: r["batch_size"],
+            )
+            bs = [r["batch_size"] for r in mine]
+            ms = [r["projected_ms"] for r in mine]
+            ax.plot(bs, ms, line, color=color, label=f"{engine} ctx {ctx}")
+            got = [r for r in mine if r["measured_ms"] is not None]
+            ax.plot(
+                [r["batch_size"] for r in got],
+                [r["measured_ms"] for r in got],
+                marker,
+                color=color,
+                fillstyle="none",
+            )
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms / step")
+    numbers = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.set_xticks(sorted({r["batch_size"] for r in rows}))
+    ax.xaxis.set_major_formatter(numbers)
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.yaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 5.0)))
+    ax.yaxis.set_major_formatter(numbers)
+    ax.yaxis.set_minor_formatter(numbers)
+    ax.legend(fontsize=6)
+
+
+def _scaling_speedup(ax, speedups: List[Dict]) -> None:
+    """At the largest context measured (else the largest)."""
+    measured = [s["context"] for s in speedups if "measured" in s]
+    ctx = max(measured or [s["context"] for s in speedups])
+    for s in speedups:
+        if s["context"] != ctx:
+            continue
+        taus = sorted(s["projected"], key=int)
+        (line,) = ax.plot(
+            [int(t) for t in taus],
+            [s["projected"][t] for t in taus],
+            marker=".",
+            label=f"bs {s['batch_size']}",
+        )
+        if "measured" in s:
+            tau, speedup = s["measured_accept_length"], s["measured"]
+            ax.plot(tau, speedup, "x", color=line.get_color(), markersize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="accepted length (tokens per verify)", ylabel="speedup")
+    ax.set_title(f"DSpark speedup, ctx {ctx} (x: measured)", fontsize=9)
+    ax.legend(fontsize=6)

@@ -58,6 +58,15 @@ def dspark_fields(config: DSparkDraftConfig) -> dict:
     return fields
 
 
+def read_json(file: str):
+    """A JSON file's content, or ValueError naming the file."""
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+
+
 def read_config(path: str) -> dict:
     """The checkpoint's config.json, checked for a known architecture."""
     if not os.path.isdir(path):
@@ -65,11 +74,7 @@ def read_config(path: str) -> dict:
     file = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(file):
         raise ValueError(f"{file}: missing (a checkpoint needs {CONFIG_NAME})")
-    try:
-        with open(file) as f:
-            cfg = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    cfg = read_json(file)
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: must hold a JSON object")
     arch = cfg.get("architectures")
