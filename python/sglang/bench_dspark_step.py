@@ -819,10 +819,7 @@ def main(argv=None) -> int:
         args.device = "cpu"
     if args.enable_dp_attention and args.ep_size < 2:
         p.error("--enable-dp-attention needs --ep-size 2 or more")
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            p.error(f"--json {args.json}: folder {folder} does not exist")
+    bench_plots.check_json_path(p, args.json)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     bench_plots.prepare_plot_dir(p, args.plot_dir)
