@@ -245,10 +245,17 @@ def draw_log_exp1_(
     out: torch.Tensor, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
     """Fill ``out`` with log E, E ~ Exp(1) (E = -log U, U ~ Uniform[0, 1)).
+    Returns ``out``."""
+    return log_exp1_(out.uniform_(generator=generator))
+
+
+def log_exp1_(u: torch.Tensor) -> torch.Tensor:
+    """Uniform[0, 1) draws, in place, into log E, E = -log U ~ Exp(1): for a
+    caller that draws them together with others (one generator call).
     U is clamped to the smallest normal float first, so E is finite and > 0
     (U < 1) and log E is finite: a noise of E = 0 would pick its token
-    whatever that token's probability. Returns ``out``."""
-    return out.uniform_(generator=generator).clamp_min_(_TINY).log_().neg_().log_()
+    whatever that token's probability. Returns ``u``."""
+    return u.clamp_min_(_TINY).log_().neg_().log_()
 
 
 def process_logits(

@@ -12,20 +12,24 @@ block gamma (g) and vocabulary V:
                slots, kv_lens                   [B, g]
     markov     corrections, noisy logits,
                corrected and scaled logits      [g, B, V]
-    q          softmax(corrected / T)           [g + 1, B, V] (row g: 0)
-    noise      log E                            [g + 1, B, V] (row g: bonus)
-               u                                [g, B]
+    noise      log E, then u (one draw)         [g + 1, B, V], [g, B]
     accept     target argmax                    [g + 1, B]
                matches, then a row of 0         [g + 1, B] uint8
-               target / T, p = its softmax      [g + 1, B, V]
-               the bonus row and its scratch    [1, B, V]
+               target / T                       [g + 1, B, V]
+               p = its softmax, and q =
+               softmax(corrected / T), side
+               by side (q's row g: 0)           [2, g + 1, B, V]
+               the drafts' p and q, and the
+               bonus row's                      [2, g, B], [2, 1, B, V]
 
 Per-slot tensors are slot-major ([slot, request, vocab]) and contiguous at
 every batch size (``at(bs)`` views the first elements of one flat buffer
 as [slot, bs, vocab]): a slot's rows are contiguous, and so are q's first
-g slots, which a softmax writes in place. Sizes share that memory, so the
-two constant rows (q's and ``matched``'s last) are refilled by
-``set_constants(bs)`` whenever a step runs at another size.
+g slots, which a softmax writes in place. p and q lie side by side, so that
+one gather reads both at the drafts (and one at the bonus row); the draws
+of a step lie in one buffer, so that one generator call fills them. Sizes
+share that memory, so the two constant rows (q's and ``matched``'s last)
+are refilled by ``set_constants(bs)`` whenever a step runs at another size.
 The sampler writes the drafts slot by slot into a contiguous [g, B] buffer
 (compiled code takes no strided ``out=``), copied once into the verify ids;
 the bonus lands straight in the batch state's ``last_ids``.
@@ -85,8 +89,9 @@ class DSparkStepViews:
     scratch: torch.Tensor  # [B, V]
     corrected: torch.Tensor  # [g, B, V]: base + corrections, the draft's logits
     scaled: torch.Tensor  # [g, B, V]: corrected / T
-    q: torch.Tensor  # [g + 1, B, V]: q per slot, then a row of zeros
+    q: torch.Tensor  # [g + 1, B, V]: q per slot, then a row of zeros (pq[1])
     q_drafts: torch.Tensor  # [g, B, V]: q[:g]
+    draws: torch.Tensor  # [(g + 1) B V + g B]: log_e's uniforms, then u's
     log_e: torch.Tensor  # [g + 1, B, V]: noise of the block, then the bonus's
     block_noise: torch.Tensor  # [g, B, V]
     bonus_noise: torch.Tensor  # [1, B, V]
@@ -97,14 +102,16 @@ class DSparkStepViews:
     matched_drafts: torch.Tensor  # [g, B]
     accept_lens: torch.Tensor  # [B] int64: drafts accepted, 0..g
     accept_row: torch.Tensor  # [1, B]: accept_lens (a gather index)
-    accept_rows: torch.Tensor  # [1, B, V]: accept_lens, expanded (gather index)
     target_scaled: torch.Tensor  # [g + 1, B, V]: target logits / T
-    p: torch.Tensor  # [g + 1, B, V]: softmax(target / T)
-    p_drafts: torch.Tensor  # [g, B, V]
-    q_tok: torch.Tensor  # [g, B, 1]: q of each draft
-    p_tok: torch.Tensor  # [g, B, 1]: p of each draft
+    pq: torch.Tensor  # [2, g + 1, B, V]: p, then q
+    pq_drafts: torch.Tensor  # [2, g, B, V]: pq[:, :g]
+    pq_draft_index: torch.Tensor  # [2, g, B, 1]: draft_index, twice (a view)
+    pq_accept_rows: torch.Tensor  # [2, 1, B, V]: accept_lens, expanded
+    p: torch.Tensor  # [g + 1, B, V]: softmax(target / T) (pq[0])
+    pq_tok: torch.Tensor  # [2, g, B, 1]: p, then q, of each draft
     q_tok_flat: torch.Tensor  # [g, B]
     p_tok_flat: torch.Tensor  # [g, B]
+    pq_row: torch.Tensor  # [2, 1, B, V]: p and q at the first rejection
     p_row: torch.Tensor  # [1, B, V]: p at the first rejection (or the last)
     q_row: torch.Tensor  # [1, B, V]
     bonus_row: torch.Tensor  # [1, B, V]: max(p - q, 0), or p without mass
@@ -199,15 +206,16 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         self.corrections, self.noisy = floats(g * n * V), floats(g * n * V)
         self.corrected, self.scaled = floats(g * n * V), floats(g * n * V)
         self.markov_hidden, self.scratch = floats(n, markov_rank), floats(n, V)
-        self.q = floats((g + 1) * n * V)  # row g is 0: no draft past the block
-        self.log_e, self.u = floats((g + 1) * n * V), floats(g * n)
+        # The step's uniform draws: the noise's, then acceptance's.
+        self.draws = floats((g + 1) * n * V + g * n)
         self.target_ids = ints((g + 1) * n)
         # Row g is 0: the first 0 of a column is its accept length.
         self.matched = torch.zeros((g + 1) * n, dtype=torch.uint8, device=dev)
         self.accept_lens = ints(n)
-        self.target_scaled, self.p = floats((g + 1) * n * V), floats((g + 1) * n * V)
-        self.q_tok, self.p_tok = floats(g * n), floats(g * n)
-        self.p_row, self.q_row = floats(n * V), floats(n * V)
+        self.target_scaled = floats((g + 1) * n * V)
+        # p, then q (its row g is 0: no draft past the block).
+        self.pq = floats(2 * (g + 1) * n * V)
+        self.pq_tok, self.pq_row = floats(2 * g * n), floats(2 * n * V)
         self.bonus_row, self.mass = floats(n * V), floats(n)
         self.has_mass = torch.zeros(n, dtype=torch.bool, device=dev)
         self.greedy_accept_lens, self.greedy_bonus = ints(n), ints(n)
@@ -299,11 +307,14 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             CaptureHiddenMode.NULL,
         )
         corrections, noisy = cut(self.corrections, g, bs, V), cut(self.noisy, g, bs, V)
-        q, log_e = cut(self.q, g + 1, bs, V), cut(self.log_e, g + 1, bs, V)
+        pq = cut(self.pq, 2, g + 1, bs, V)
+        q, noise = pq[1], (g + 1) * bs * V
+        draws = self.draws[: noise + g * bs]
+        log_e = draws[:noise].view(g + 1, bs, V)
+        pq_row, pq_tok = cut(self.pq_row, 2, 1, bs, V), cut(self.pq_tok, 2, g, bs)
         target_ids, matched = cut(self.target_ids, g + 1, bs), cut(
             self.matched, g + 1, bs
         )
-        p = cut(self.p, g + 1, bs, V)
         sampled = cut(self.draft_tokens, g, bs)
         return DSparkStepViews(
             state=state,
@@ -342,26 +353,29 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             scaled=cut(self.scaled, g, bs, V),
             q=q,
             q_drafts=q[:g],
+            draws=draws,
             log_e=log_e,
             block_noise=log_e[:g],
             bonus_noise=log_e[g:],
-            u=cut(self.u, g, bs),
+            u=draws[noise:].view(g, bs),
             target_ids=target_ids,
             target_drafts=target_ids[:g],
             matched=matched,
             matched_drafts=matched[:g],
             accept_lens=accept_lens,
             accept_row=accept_lens.view(1, bs),
-            accept_rows=accept_lens.view(1, bs, 1).expand(1, bs, V),
             target_scaled=cut(self.target_scaled, g + 1, bs, V),
-            p=p,
-            p_drafts=p[:g],
-            q_tok=cut(self.q_tok, g, bs, 1),
-            p_tok=cut(self.p_tok, g, bs, 1),
-            q_tok_flat=cut(self.q_tok, g, bs),
-            p_tok_flat=cut(self.p_tok, g, bs),
-            p_row=cut(self.p_row, 1, bs, V),
-            q_row=cut(self.q_row, 1, bs, V),
+            pq=pq,
+            pq_drafts=pq[:, :g],
+            pq_draft_index=drafts.t().unsqueeze(-1).expand(2, g, bs, 1),
+            pq_accept_rows=accept_lens.view(1, 1, bs, 1).expand(2, 1, bs, V),
+            p=pq[0],
+            pq_tok=pq_tok.unsqueeze(-1),
+            q_tok_flat=pq_tok[1],
+            p_tok_flat=pq_tok[0],
+            pq_row=pq_row,
+            p_row=pq_row[0],
+            q_row=pq_row[1],
             bonus_row=cut(self.bonus_row, 1, bs, V),
             mass=cut(self.mass, 1, bs, 1),
             has_mass=cut(self.has_mass, 1, bs, 1),

@@ -92,8 +92,8 @@ def rejection_accept(
     # p = softmax(target / T), per slot
     torch.mul(_by_slot(target_logits, v), state.inv_temperatures, out=v.target_scaled)
     torch._softmax(v.target_scaled, -1, False, out=v.p)
-    torch.gather(v.q_drafts, 2, v.draft_index, out=v.q_tok)  # [g, bs, 1]
-    torch.gather(v.p_drafts, 2, v.draft_index, out=v.p_tok)
+    # p(d_j) and q(d_j) side by side: one gather, [2, g, bs, 1]
+    torch.gather(v.pq_drafts, 3, v.pq_draft_index, out=v.pq_tok)
     u = v.u.mul_(v.q_tok_flat)  # u * q(d_j), in place of the draws
     torch.lt(u, v.p_tok_flat, out=v.matched_drafts)
     if ragged:
@@ -101,8 +101,7 @@ def rejection_accept(
     _first_rejection(v, accept_lens)
     # The bonus row: max(p - q, 0) at the first rejection; after a full
     # accept q's row is 0, so it is p of the last row.
-    torch.gather(v.p, 0, v.accept_rows, out=v.p_row)  # [1, bs, V]
-    torch.gather(v.q, 0, v.accept_rows, out=v.q_row)
+    torch.gather(v.pq, 1, v.pq_accept_rows, out=v.pq_row)  # p's and q's [1, bs, V]
     if ragged:  # every verified draft accepted: nothing past them was proposed
         torch.ge(v.accept_cell, v.verify_lens_cell, out=v.full_accept)
         v.q_row.masked_fill_(v.full_accept, 0.0)

@@ -52,6 +52,7 @@ from sglang.srt.layers.sampler import (
     SamplingMode,
     draw_log_exp1_,
     fill_seeded_log_e_,
+    log_exp1_,
 )
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, StepOutput
 from sglang.srt.managers.tp_worker import TpModelWorker, dp_rows
@@ -450,8 +451,9 @@ class DSparkWorker:
                         v.bonus_noise_rows.unsqueeze(0), st, v.slot_offsets[:1]
                     )
             else:
-                draw_log_exp1_(v.log_e, self.generator)
-                v.u.uniform_(generator=self.generator)
+                # One draw for the noise and acceptance's u (log_e's first).
+                v.draws.uniform_(generator=self.generator)
+                log_exp1_(v.log_e)
                 if seeded:  # slot j draws for output position out_lens + j
                     fill_seeded_log_e_(v.log_e, st, v.slot_offsets)
         return rows, budget
