@@ -28,17 +28,18 @@ length (accepted drafts + 1 per verify step); each engine's mean requests
 per decode step (below the batch size while a round's last requests
 drain); and whether DSpark's greedy output equals plain greedy output
 token for token (it must).
-``--count-ops`` adds the aten ops and allocations of one decode step of
-each engine (exact counts, from OpCounter, in a separate untimed pass).
+``--count-ops`` adds the aten ops, allocations and host reads (before the
+output phase) of one decode step of each engine, and of its glue: the
+step outside the model's own spans (exact counts, from OpCounter, in a
+separate untimed pass).
 ``--phases`` adds where a decode step's time goes, in plain steps (one
 more lockstep round, with timers around each phase; its figures are not
-in the ones above): plain's forward and the rest; DSpark's verify forward,
-draft forward, the proposer's own work (the block's inputs and metadata,
-the Markov head and sampling),
-acceptance, the context write and the rest (window, verify metadata,
-input ids, read-back); and the speedup DSpark would reach if only its
-two forwards cost time (this run's tokens per step over their cost), a
-bound no change outside the forwards can pass. On CUDA each phase is
+in the ones above): each engine's phases and the model's spans inside
+them (DSpark: draft, verify, accept, commit, output; attention metadata,
+draft forward, verify forward, context write); the model compute's share
+of the DSpark step; and the speedup DSpark would reach if only its two
+forwards cost time (this run's tokens per step over their cost), a bound
+no change outside the forwards can pass. On CUDA each phase is
 synchronized before and after, which serializes launches: a breakdown,
 not a step time.
 
@@ -154,7 +155,10 @@ def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
     """Mean aten ops, allocations and host reads of a decode step with the
     whole batch running: the first ``steps`` decode steps after the batch's
     prefill. Host reads are counted before the output phase (whose read of
-    the tokens is the step's one), through the worker's phase spans.
+    the tokens is the step's one), through the worker's phase spans; so are
+    the glue's ops and allocations: the step's outside the model's own
+    spans (``MODEL_SPANS``: its forwards, their attention metadata, the
+    draft's context write).
 
     The counted requests get enough ``max_new_tokens`` that none finishes
     inside them, even when a draft accepts every token (a step commits up
@@ -178,14 +182,26 @@ def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
                 spans.hook = recorder = PhaseRecorder(counter=c)
                 scheduler.step()
             spans.hook = None
-            output = recorder.totals.get("output", {}).get("host_reads", 0)
+            totals = recorder.totals
+            output = totals.get("output", {}).get("host_reads", 0)
+            model = [totals.get(k, {}) for k in engine.worker.MODEL_SPANS]
+            glue_ops = c.ops - sum(t.get("ops", 0) for t in model)
+            glue_allocs = c.allocs - sum(t.get("allocs", 0) for t in model)
             if len(scheduler.running) == len(reqs):
-                counts.append((c.ops, c.allocs, c.host_reads - output))
+                counts.append(
+                    (c.ops, c.allocs, c.host_reads - output, glue_ops, glue_allocs)
+                )
     finally:
         spans.hook = None
         scheduler.abort_requests(reqs)
         scheduler.decode_step_times.clear()
-    keys = ("ops_per_step", "allocs_per_step", "host_reads_per_step")
+    keys = (
+        "ops_per_step",
+        "allocs_per_step",
+        "host_reads_per_step",
+        "glue_ops_per_step",
+        "glue_allocs_per_step",
+    )
     if not counts:
         return dict.fromkeys(keys)
     return {key: statistics.fmean(c[i] for c in counts) for i, key in enumerate(keys)}
@@ -445,7 +461,9 @@ def _format(r: Dict, engines: Dict[str, Engine]) -> str:
         text += "\n       per decode step: " + " | ".join(
             f"{name} {_fmt(r[f'{name}_ops_per_step'])} aten ops, "
             f"{_fmt(r[f'{name}_allocs_per_step'])} allocations, "
-            f"{_fmt(r[f'{name}_host_reads_per_step'])} host reads before the output"
+            f"{_fmt(r[f'{name}_host_reads_per_step'])} host reads before the output "
+            f"(glue, outside the model's spans: {_fmt(r[f'{name}_glue_ops_per_step'])} "
+            f"ops, {_fmt(r[f'{name}_glue_allocs_per_step'])} allocations)"
             for name in ENGINES
         )
     return text
@@ -548,7 +566,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--count-ops",
         action="store_true",
-        help="also print aten ops and allocations per decode step (OpCounter)",
+        help="also print aten ops, allocations and host reads per decode step, "
+        "and the glue's (OpCounter)",
     )
     p.add_argument(
         "--phases",

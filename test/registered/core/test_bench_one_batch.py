@@ -334,6 +334,19 @@ class TestBenchOneBatch(CustomTestCase):
         for row in rows:
             self.assertEqual(row["dspark_host_reads_per_step"], 0)
             self.assertEqual(row["plain_host_reads_per_step"], 0)
+            # The glue (the step outside the model's spans) allocates
+            # nothing: the step buffers hold every tensor it writes.
+            for name in ("plain", "dspark"):
+                with self.subTest(temperature=row["temperature"], engine=name):
+                    self.assertEqual(row[f"{name}_glue_allocs_per_step"], 0)
+                    self.assertGreater(row[f"{name}_glue_ops_per_step"], 0)
+                    self.assertLess(
+                        row[f"{name}_glue_ops_per_step"], row[f"{name}_ops_per_step"]
+                    )
+            # The draft's proposing and acceptance are glue: DSpark has more.
+            self.assertGreater(
+                row["dspark_glue_ops_per_step"], row["plain_glue_ops_per_step"] + 20
+            )
 
     def test_bad_arguments(self):
         for argv in (
