@@ -102,15 +102,15 @@ class TestBenchOneBatch(CustomTestCase):
                 path = os.path.join(d, "bench.json")
                 rc, _ = _main(
                     ["--batch-size", "3", "--input-len", "8", "--output-len", "4"]
-                    + ["--repeats", "1", "--temperature", "0", "--count-ops"]
+                    + ["--repeats", "1", "--temperature", "0", "1", "--count-ops"]
                     + ["--prompts", "random", "--json", path]
                     + ["--speculative-verify-budget", "off"]
                     + model
                 )
                 with open(path) as f:
-                    (rows[bool(model)],) = json.load(f)
+                    rows[bool(model)] = json.load(f)
             self.assertEqual(rc, 0)
-        trained, random_pair = rows[False], rows[True]
+        (trained, trained_t1), (random_pair, random_t1) = rows[False], rows[True]
         self.assertTrue(trained["greedy_output_equal"])
         self.assertGreater(trained["accept_length"], random_pair["accept_length"])
         for key in (
@@ -118,13 +118,23 @@ class TestBenchOneBatch(CustomTestCase):
             "plain_allocs_per_step",
             "dspark_ops_per_step",
             "dspark_allocs_per_step",
+            "dspark_glue_ops_per_step",
         ):
-            with self.subTest(key=key):
-                self.assertIsNotNone(trained[key])
-                self.assertEqual(trained[key], random_pair[key])
+            for a, b in ((trained, random_pair), (trained_t1, random_t1)):
+                with self.subTest(key=key, temperature=a["temperature"]):
+                    self.assertIsNotNone(a[key])
+                    self.assertEqual(a[key], b[key])
         self.assertGreater(
             trained["dspark_ops_per_step"], trained["plain_ops_per_step"]
         )
+        # The glue's ops, a guard: greedy, the window (3) and its verify
+        # inputs (2), the block's inputs (4), the Markov head's 5 slots (3
+        # each, and 2 views of the logits), the drafts into the verify ids,
+        # the greedy rule (6 with its views) and the sequence lengths (2);
+        # sampled, the draws (5), the noise on the logits (2) and q (4)
+        # besides, and rejection sampling (17 with its views) for the rule.
+        self.assertLessEqual(trained["dspark_glue_ops_per_step"], 35)
+        self.assertLessEqual(trained_t1["dspark_glue_ops_per_step"], 56)
 
     def test_block_steps(self):
         # One round: DSpark decodes in turns of up to K steps while plain
