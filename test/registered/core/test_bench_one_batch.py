@@ -131,8 +131,9 @@ class TestBenchOneBatch(CustomTestCase):
         # inputs (2), the block's inputs (4), the Markov head's 5 slots (3
         # each, and 2 views of the logits), the drafts into the verify ids,
         # the greedy rule (6 with its views) and the sequence lengths (2);
-        # sampled, the draws (5), the noise on the logits (2) and q (4)
-        # besides, and rejection sampling (17 with its views) for the rule.
+        # sampled, the head reads the noisy logits' slots (a view fewer),
+        # and the draws (5), the noise on the logits (2), q (4) and
+        # rejection sampling (17 with its views, for the greedy rule's 6).
         self.assertLessEqual(trained["dspark_glue_ops_per_step"], 35)
         self.assertLessEqual(trained_t1["dspark_glue_ops_per_step"], 56)
 

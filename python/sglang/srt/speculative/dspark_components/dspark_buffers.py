@@ -256,7 +256,8 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
 
     def set_constants(self, bs: int) -> None:
         """q's and ``matched``'s last rows back to 0 at this size (another
-        size's step may have written there)."""
+        size's step may have written there: its p, a larger size's, covers
+        a smaller size's q)."""
         v = self.at(bs)
         v.q[-1].zero_()
         v.matched[-1].zero_()
