@@ -27,6 +27,15 @@ def _main(argv):
     return rc, out.getvalue()
 
 
+def _main_json(argv):
+    """``_main`` with ``--json`` to a temporary file: rc, text, the rows."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "bench.json")
+        rc, text = _main(argv + ["--json", path])
+        with open(path) as f:
+            return rc, text, json.load(f)
+
+
 class TestBenchOneBatch(CustomTestCase):
     def test_figures_and_json(self):
         with tempfile.TemporaryDirectory() as d:
@@ -98,17 +107,12 @@ class TestBenchOneBatch(CustomTestCase):
         # with every draft verified (a planner's budgets follow the draft).
         rows = {}
         for model in ([], ["--model-path", "random-tiny-moe"]):
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "bench.json")
-                rc, _ = _main(
-                    ["--batch-size", "3", "--input-len", "8", "--output-len", "4"]
-                    + ["--repeats", "1", "--temperature", "0", "1", "--count-ops"]
-                    + ["--prompts", "random", "--json", path]
-                    + ["--speculative-verify-budget", "off"]
-                    + model
-                )
-                with open(path) as f:
-                    rows[bool(model)] = json.load(f)
+            rc, _, rows[bool(model)] = _main_json(
+                ["--batch-size", "3", "--input-len", "8", "--output-len", "4"]
+                + ["--repeats", "1", "--temperature", "0", "1", "--count-ops"]
+                + ["--prompts", "random", "--speculative-verify-budget", "off"]
+                + model
+            )
             self.assertEqual(rc, 0)
         (trained, trained_t1), (random_pair, random_t1) = rows[False], rows[True]
         self.assertTrue(trained["greedy_output_equal"])
@@ -142,15 +146,10 @@ class TestBenchOneBatch(CustomTestCase):
         # (more steps) still runs, so it makes ceil(steps / K) pairs; K = 1
         # alternates single steps.
         for k in (1, 4):
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "bench.json")
-                rc, _ = _main(
-                    ["--batch-size", "2", "--input-len", "4", "--output-len", "12"]
-                    + ["--repeats", "1", "--temperature", "0", "--block-steps"]
-                    + [str(k), "--json", path]
-                )
-                with open(path) as f:
-                    (row,) = json.load(f)
+            rc, _, (row,) = _main_json(
+                ["--batch-size", "2", "--input-len", "4", "--output-len", "12"]
+                + ["--repeats", "1", "--temperature", "0", "--block-steps", str(k)]
+            )
             self.assertEqual(rc, 0)
             with self.subTest(block_steps=k):
                 self.assertEqual(row["block_steps"], k)
@@ -174,16 +173,11 @@ class TestBenchOneBatch(CustomTestCase):
 
             with mock.patch.object(bench_one_batch, "Engine", make):
                 for num in (5, 2):
-                    with tempfile.TemporaryDirectory() as d:
-                        path = os.path.join(d, "bench.json")
-                        rc, _ = _main(
-                            ["--batch-size", "2", "--num-prompts", str(num)]
-                            + ["--input-len", "4", "--output-len", "6"]
-                            + ["--repeats", "1", "--temperature", "0"]
-                            + ["--json", path]
-                        )
-                        with open(path) as f:
-                            (row,) = json.load(f)
+                    rc, _, (row,) = _main_json(
+                        ["--batch-size", "2", "--num-prompts", str(num)]
+                        + ["--input-len", "4", "--output-len", "6"]
+                        + ["--repeats", "1", "--temperature", "0"]
+                    )
                     self.assertEqual(rc, 0)
                     self.assertEqual(row["num_prompts"], num)
                     self.assertTrue(row["greedy_output_equal"])
@@ -214,15 +208,10 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertNotIn("aten ops", text)  # only with --count-ops
 
     def test_top_p(self):
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "top_p.json")
-            rc, text = _main(
-                ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
-                + ["--temperature", "1", "--repeats", "1", "--top-p", "0.9"]
-                + ["--json", path]
-            )
-            with open(path) as f:
-                (row,) = json.load(f)
+        rc, text, (row,) = _main_json(
+            ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
+            + ["--temperature", "1", "--repeats", "1", "--top-p", "0.9"]
+        )
         self.assertEqual(rc, 0)
         self.assertIn("T=1 top_p=0.9 bs=2", text)
         self.assertEqual(row["sampling_params"], {"top_p": 0.9})
@@ -235,21 +224,17 @@ class TestBenchOneBatch(CustomTestCase):
         # same accepted drafts and step counts (every draft verified: a
         # planner's budgets follow the steps timed before).
         rows = {}
-        with tempfile.TemporaryDirectory() as d:
-            for name, extra in (
-                ("alone", ["--batch-size", "2"]),
-                ("after", ["--batch-size", "1", "2", "--count-ops"]),
-            ):
-                path = os.path.join(d, f"{name}.json")
-                rc, _ = _main(
-                    ["--input-len", "4", "--output-len", "12", "--repeats", "1"]
-                    + ["--temperature", "0.7", "--json", path]
-                    + ["--speculative-verify-budget", "off"]
-                    + extra
-                )
-                self.assertEqual(rc, 0)
-                with open(path) as f:
-                    rows[name] = json.load(f)[-1]
+        for name, extra in (
+            ("alone", ["--batch-size", "2"]),
+            ("after", ["--batch-size", "1", "2", "--count-ops"]),
+        ):
+            rc, _, all_rows = _main_json(
+                ["--input-len", "4", "--output-len", "12", "--repeats", "1"]
+                + ["--temperature", "0.7", "--speculative-verify-budget", "off"]
+                + extra
+            )
+            self.assertEqual(rc, 0)
+            rows[name] = all_rows[-1]
         for key in ("accept_length", "dspark_decode_steps", "plain_decode_steps"):
             self.assertEqual(rows["alone"][key], rows["after"][key], key)
 
@@ -332,15 +317,10 @@ class TestBenchOneBatch(CustomTestCase):
             self.assertIsNone(engine.worker.spans.hook)
 
     def test_host_reads_counted_before_the_output(self):
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "bench.json")
-            rc, _ = _main(
-                ["--batch-size", "2", "--input-len", "4", "--output-len", "8"]
-                + ["--temperature", "0", "1", "--repeats", "1", "--count-ops"]
-                + ["--json", path]
-            )
-            with open(path) as f:
-                rows = json.load(f)
+        rc, _, rows = _main_json(
+            ["--batch-size", "2", "--input-len", "4", "--output-len", "8"]
+            + ["--temperature", "0", "1", "--repeats", "1", "--count-ops"]
+        )
         self.assertEqual(rc, 0)
         for row in rows:
             self.assertEqual(row["dspark_host_reads_per_step"], 0)
