@@ -48,6 +48,8 @@ CONFIGS = {
     "dspark-gather": ("DSPARK", "none", "off"),
     "dspark-a2a": ("DSPARK", "all_to_all", "off"),
     "dspark-a2a-auto": ("DSPARK", "all_to_all", "auto"),
+    # Ragged verifies in padded buckets whatever auto's timings pick.
+    "dspark-a2a-ragged": ("DSPARK", "all_to_all", 4),
 }
 FOUR_RANK_CONFIGS = ("plain-gather", "dspark-a2a-auto")
 
@@ -172,7 +174,7 @@ class _DpAttention(CustomTestCase):
 
 class TestDpAttentionTwoRanks(_DpAttention):
     def test_all_to_all_never_sends_a_padded_row(self):
-        for name in ("dspark-a2a", "dspark-a2a-auto"):
+        for name in ("dspark-a2a", "dspark-a2a-auto", "dspark-a2a-ragged"):
             for rank, result in enumerate(self.ranks):
                 row_bytes = 4 * result[name]["hidden_size"]
                 self.assertGreater(sum(result[name]["copies"].values()), 0)
@@ -184,6 +186,12 @@ class TestDpAttentionTwoRanks(_DpAttention):
                             st["hidden_bytes"],
                             result[name]["copies"][mode] * row_bytes,
                         )
+
+    def test_ragged_verifies_ran_in_padded_buckets(self):
+        # What the ragged config is for: a rank with fewer requests than
+        # the bucket verified only part of the drafts.
+        verify = [r["dspark-a2a-ragged"]["stats"]["TARGET_VERIFY"] for r in self.ranks]
+        self.assertTrue(any(st["rows"] > st["real_rows"] for st in verify), verify)
 
     def test_gather_sends_padded_rows(self):
         # The gathered dispatch carries every rank's rows padded to the

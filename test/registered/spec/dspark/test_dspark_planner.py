@@ -8,6 +8,7 @@ import itertools
 import os
 import tempfile
 import unittest
+from unittest import mock
 
 import torch
 
@@ -42,9 +43,16 @@ def _table(plain=1.0, per_draft=0.1, gamma=2, sizes=(1, 2, 4)):
 
 
 class TestScheduleVerifyLensTopk(CustomTestCase):
-    def _lens(self, confidence, budget):
+    def _lens(self, confidence, budget, real=None):
         g, bs = confidence.shape
         lens = torch.zeros(bs, dtype=torch.int64)
+        padding = {}
+        if real is not None:
+            padding = dict(
+                real_requests=torch.tensor(real),
+                requests_1=torch.arange(1, bs + 1),
+                padded=torch.zeros(bs, dtype=torch.bool),
+            )
         return ScheduleVerifyLensTopk.execute(
             confidence=confidence,
             budget=budget,
@@ -53,6 +61,7 @@ class TestScheduleVerifyLensTopk(CustomTestCase):
             top_values=torch.zeros(budget),
             top_index=torch.zeros(budget, dtype=torch.int64),
             ones=torch.ones(budget, dtype=torch.int64),
+            **padding,
         ).tolist()
 
     def test_maximises_the_expected_gain(self):
@@ -78,6 +87,16 @@ class TestScheduleVerifyLensTopk(CustomTestCase):
     def test_confident_draft_gets_its_whole_block(self):
         conf = torch.tensor([[0.99, 0.1], [0.99, 0.1], [0.98, 0.1]])
         self.assertEqual(self._lens(conf, 3), [3, 0])
+
+    def test_padded_requests_take_only_what_the_real_ones_leave(self):
+        # Request 2 pads a bucket of 3 (2 real); its (dummy) drafts are the
+        # surest, yet it verifies nothing until the real blocks are whole.
+        conf = torch.tensor([[0.5, 0.2, 0.99], [0.5, 0.2, 0.99]])
+        for budget, want in ((1, [1, 0, 0]), (3, [2, 1, 0]), (5, [2, 2, 1])):
+            with self.subTest(budget=budget):
+                self.assertEqual(self._lens(conf, budget, real=2), want)
+        # All real: the confidence alone decides.
+        self.assertEqual(self._lens(conf, 3, real=3), [1, 0, 2])
 
 
 def _gain(conf, lens):
@@ -335,6 +354,38 @@ class TestBudgetsEndToEnd(CustomTestCase):
         torch.testing.assert_close(
             runs["resumed"], runs["always"], rtol=1e-4, atol=1e-5
         )
+
+
+class TestPaddedRaggedVerify(CustomTestCase):
+    def test_real_requests_verify_first_and_the_host_knows_their_rows(self):
+        # 3 requests in a bucket of 4, a budget of 4 drafts: the real
+        # requests verify all 4, so the verify's real rows (the int32 scalar
+        # EP > 1's router masks by) are 3 + 4, as the host says.
+        target = "sglang.srt.model_executor.forward_batch_info"
+        with mock.patch(f"{target}.enable_num_token_non_padded", return_value=True):
+            engine = _engine(4, cuda_graph_bs=[1, 2, 4])
+            sched, worker = engine.scheduler, engine.worker
+            for i, ids in enumerate(PROMPTS):
+                params = SamplingParams(max_new_tokens=12)
+                sched.add_request(
+                    Req(rid=i, origin_input_ids=ids, sampling_params=params)
+                )
+            sched.step()  # the prefills
+            ragged = worker.buffers.ragged(4, 4)
+            steps = 0
+            while sched.has_work():
+                sched.step()
+                if sched._batch is None or sched._batch.batch_size != 3:
+                    continue
+                steps += 1
+                lens = worker.buffers.at(4).verify_lens.tolist()
+                self.assertEqual(lens[3], 0)
+                self.assertEqual(sum(lens), 4)
+                real = int((ragged.row_req < 3).sum())
+                self.assertEqual(real, 3 + 4)
+                self.assertEqual(worker.buffers.verify_scalar.item(), real)
+                self.assertEqual(ragged.batch.num_token_non_padded_cpu, real)
+            self.assertGreater(steps, 0)
 
 
 class TestServerArgs(CustomTestCase):

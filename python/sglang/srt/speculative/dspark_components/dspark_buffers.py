@@ -137,6 +137,7 @@ class DSparkStepViews:
     accept_cell: torch.Tensor  # [1, B, 1]: accept_lens
     gains: torch.Tensor  # [g, B]: running products of the confidence
     requests_1: torch.Tensor  # [B] int64: 1..B
+    padded_requests: torch.Tensor  # [B] bool scratch: past the real requests
     row_ends: torch.Tensor  # [B] int64 scratch
     grid_logits: torch.Tensor  # [B * (g + 1), V]: a ragged verify's, placed
     plain_batch: ForwardBatch  # budget 0: one row per request, the anchors
@@ -155,7 +156,6 @@ class RaggedViews:
 
     row_ids: torch.Tensor  # [T]: 0..T-1
     row_req: torch.Tensor  # [T]: each row's request
-    is_real: torch.Tensor  # [T] bool scratch: the row is a real request's
     query_index: torch.Tensor  # [T]: each row's place in the window
     top_values: torch.Tensor  # [budget] scratch of the top-k
     top_index: torch.Tensor  # [budget]
@@ -225,6 +225,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         self.verify_mask = torch.zeros(g * n, dtype=torch.bool, device=dev)
         self.full_accept = torch.zeros(n, dtype=torch.bool, device=dev)
         self.requests_1 = torch.arange(1, n + 1, device=dev)
+        self.padded_requests = torch.zeros(n, dtype=torch.bool, device=dev)
         self.row_ends = ints(n)
         # A ragged verify's rows (at most n * (g + 1)), and its scratch.
         t = n * (g + 1)
@@ -242,10 +243,8 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         self.plain_positions, self.plain_slots = ints(n), ints(n)
         self.query_shape = tuple(query_shape)
         self._query_grid = floats(t * math.prod(query_shape))  # ragged attention
-        self.is_real = torch.zeros(t, dtype=torch.bool, device=dev)
-        # EP > 1 under a ragged verify: the real requests, and their rows.
+        # A ragged verify's real requests (the rest pad the bucket).
         self.real_requests = torch.zeros((), dtype=torch.int64, device=dev)
-        self.real_rows = torch.zeros((), dtype=torch.int64, device=dev)
         # Filled per step only when EP > 1 reads them; never re-allocated.
         self.verify_scalar = torch.zeros((), dtype=torch.int32, device=dev)
         self.draft_scalar = torch.zeros((), dtype=torch.int32, device=dev)
@@ -398,6 +397,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             accept_cell=accept_lens.view(1, bs, 1),
             gains=cut(self.gains, g, bs),
             requests_1=self.requests_1[:bs],
+            padded_requests=self.padded_requests[:bs],
             row_ends=self.row_ends[:bs],
             grid_logits=cut(self.grid_logits, bs * (g + 1), V),
             plain_batch=ForwardBatch(
@@ -437,7 +437,6 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         return RaggedViews(
             row_ids=self.row_ids[:t],
             row_req=self.row_req[:t],
-            is_real=self.is_real[:t],
             query_index=query_index,
             top_values=self.top_values[:budget],
             top_index=self.top_index[:budget],

@@ -8,7 +8,8 @@
   (``local_verify_tier_num_tokens``; across data-parallel ranks
   ``dp_global_verify_tier_num_tokens`` and the step shape they agree on,
   ``dp_verify_drafts_per_req``); on the device
-  ``ScheduleVerifyLensTopk`` shares it among requests by confidence and
+  ``ScheduleVerifyLensTopk`` shares it among requests by confidence (a
+  bucket's padding requests last) and
   ``ragged_verify_layout`` places the rows: the verify runs only those.
 """
 
@@ -141,8 +142,16 @@ class ScheduleVerifyLensTopk:
         top_values: torch.Tensor,  # [budget] scratch
         top_index: torch.Tensor,  # [budget] int64 scratch
         ones: torch.Tensor,  # [budget] int64 ones
+        real_requests: Optional[torch.Tensor] = None,  # [] int64: real of the bs
+        requests_1: Optional[torch.Tensor] = None,  # [bs] int64: 1..bs
+        padded: Optional[torch.Tensor] = None,  # [bs] bool scratch
     ) -> torch.Tensor:
         torch.cumprod(confidence, dim=0, out=gains)
+        if real_requests is not None:
+            # Requests past the real ones pad a bucket: they take only what
+            # the real requests' whole blocks leave of the budget.
+            torch.gt(requests_1, real_requests, out=padded)
+            gains.masked_fill_(padded, -1.0)
         torch.topk(gains.view(-1), budget, sorted=False, out=(top_values, top_index))
         # Flat index k * bs + b: request b; count each request's picks (the
         # gains fall along a block, so the picks are a prefix).

@@ -8,7 +8,8 @@ A decode step is five phases, in order, each one call:
    three forwards), and propose the block (``DraftBlockProposer``: its
    inputs, the draft forward, the Markov head's left-to-right sampling);
    under a budget, share it among the requests by the drafts' confidence
-   and lay out the rows to verify;
+   (the real requests first, then those padding the bucket) and lay out
+   the rows to verify;
 2. verify: the target forward over ``[bonus, d_1..d_gamma]``, or, under a
    budget, over each request's bonus and first ``verify_lens`` drafts
    (a ragged verify); budget 0 is a plain decode step (no draft forward);
@@ -257,6 +258,7 @@ class DSparkWorker:
                 self.buffers.set_constants(rows)
                 self._rows = rows
             budget = budget * rows // bs
+            self.buffers.real_requests.fill_(bs)  # as a step of bs would
             if parallel.enable_dp_attention:  # every rank measures the same
                 v = self.buffers.at(rows)
                 for fb in (self._verify_batch(v, rows, budget), v.draft_batch):
@@ -412,17 +414,16 @@ class DSparkWorker:
         v = buffers.at(rows)
         verify = self._verify_batch(v, rows, budget)
         # The verify's real rows: each request's anchor and the drafts it
-        # verifies (request-major: the padded requests' rows come last).
-        if budget == rows * g:
-            num_tokens = bs * (g + 1)
-        else:
-            num_tokens = bs + budget * bs // rows
+        # verifies, request-major. A ragged verify shares the budget among
+        # the real requests first (padded ones take what is left), so the
+        # host knows the count exactly.
+        if 0 < budget < rows * g:
+            buffers.real_requests.fill_(bs)
+        num_tokens = bs + min(budget, bs * g)
         verify.num_token_non_padded = target_num_token_non_padded(
             num_tokens, buffers.verify_scalar, self.device
         )
         verify.num_token_non_padded_cpu = num_tokens
-        if verify.num_token_non_padded is not None and 0 < budget < rows * g:
-            buffers.real_requests.fill_(bs)  # the device counts the real rows
         idle = batch.is_idle
         verify.forward_mode = ForwardMode.IDLE if idle else ForwardMode.TARGET_VERIFY
         v.draft_batch.forward_mode = (
@@ -570,6 +571,9 @@ class DSparkWorker:
             top_values=r.top_values,
             top_index=r.top_index,
             ones=r.ones,
+            real_requests=self.buffers.real_requests,
+            requests_1=v.requests_1,
+            padded=v.padded_requests,
         )
         ragged_verify_layout(
             verify_lens=v.verify_lens,
@@ -595,12 +599,6 @@ class DSparkWorker:
                 query_index=r.query_index,
                 query_grid=buffers.query_grid(rows),
             )
-        if batch.num_token_non_padded is not None:
-            # The real requests' rows (a padded request's come after them):
-            # counted here, for a graph serves every batch size of its bucket.
-            torch.lt(r.row_req, buffers.real_requests, out=r.is_real)
-            torch.sum(r.is_real, 0, out=buffers.real_rows)
-            batch.num_token_non_padded.copy_(buffers.real_rows)
 
     def _commit(
         self,
