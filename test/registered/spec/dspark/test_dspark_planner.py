@@ -231,6 +231,25 @@ class TestPlanner(CustomTestCase):
         self.assertEqual(len(set(budgets)), 1)
         self.assertIsNone(planner.held(3))  # another batch size plans anew
 
+    def test_ranks_holding_an_agreed_budget_replan_together(self):
+        # EP ranks each plan (one plain, one drafting) and hold the largest:
+        # from then on they hold and plan again on the same steps.
+        ranks = [
+            DSparkVerifyPlanner(gamma=2, cost_table=_table(per_draft=d), replan_every=3)
+            for d in (50.0, 0.01)
+        ]
+        plans = [p.plan(confidence=[None] * 2, sampled=[False] * 2) for p in ranks]
+        self.assertEqual(plans[0], 0)
+        self.assertGreater(plans[1], 0)
+        for p in ranks:
+            p.hold(max(plans))
+        steps = [
+            [(p.held(2), p.wants_confidence) for _ in range(2 * p.replan_every)]
+            for p in ranks
+        ]
+        self.assertEqual(steps[0], steps[1])
+        self.assertEqual(steps[0][0], (max(plans), False))
+
     def test_observed_acceptance_calibrates_the_confidence(self):
         planner = self._planner(_table(), prior_weight=4.0)
         # Row 0 verified only draft 0 (accepted; its draft 1 not judged);

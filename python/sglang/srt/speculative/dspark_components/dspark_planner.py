@@ -271,8 +271,11 @@ class DSparkVerifyPlanner:
         return None
 
     def hold(self, budget: int) -> None:
-        """Hold ``budget`` instead of the one just planned (what the ranks
-        agreed on)."""
+        """Hold ``budget`` for the batch size just planned: ``replan_every``
+        steps, a plain one one step (its blocks' confidence is spent). The
+        plan's own, or what the ranks agreed on instead: ranks that hold the
+        same budget plan again on the same step."""
+        self._countdown = self.replan_every - 1 if budget else 0
         self._last = (self._last[0], budget)
 
     @property
@@ -322,9 +325,8 @@ class DSparkVerifyPlanner:
                 self._plain_streak, best = 0, bs  # draft once: fresh estimates
         else:
             self._plain_streak = 0
-        # A plain step holds one step: the confidence behind it is spent.
-        self._countdown = self.replan_every - 1 if best else 0
         self._last = (bs, best)
+        self.hold(best)
         return best
 
     def observe(
