@@ -104,7 +104,9 @@ class ServerArgs:
     speculative_num_draft_tokens: Optional[int] = None
     # Drafted tokens a DSpark step verifies: "auto" (planned per step from
     # the drafts' confidence and a measured cost table; 0 is a plain step),
-    # "off" (every draft), or an int: at most that many per step.
+    # "off" (every draft), or an int: at most that many per step. Under
+    # "auto" an unseeded sampled request's tokens follow the timings, so they
+    # can differ between runs (a seeded request's cannot).
     speculative_verify_budget: Union[str, int] = "auto"
     # The cost table "auto" plans with: read from this file when it exists,
     # else measured at start-up (and saved here when a path is given).

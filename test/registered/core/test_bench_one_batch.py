@@ -211,6 +211,7 @@ class TestBenchOneBatch(CustomTestCase):
         rc, text, (row,) = _main_json(
             ["--batch-size", "2", "--input-len", "4", "--output-len", "6"]
             + ["--temperature", "1", "--repeats", "1", "--top-p", "0.9"]
+            + ["--speculative-verify-budget", "off"]  # every step drafts
         )
         self.assertEqual(rc, 0)
         self.assertIn("T=1 top_p=0.9 bs=2", text)
@@ -239,15 +240,15 @@ class TestBenchOneBatch(CustomTestCase):
             self.assertEqual(rows["alone"][key], rows["after"][key], key)
 
     def test_phases(self):
-        # Every phase ran and took time; the phases together are the step as
-        # timed on its own by the scheduler (an independent total, outside
-        # the worker), up to the few lines between them; the model's own
-        # compute is inside the phases. In units of plain's step.
+        # Every phase ran and took time, inside the step as timed on its own
+        # by the scheduler (an independent total, outside the worker); the
+        # model's own compute is inside the phases. In units of plain's step.
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "bench.json")
             rc, text = _main(
                 ["--batch-size", "2", "--input-len", "4", "--output-len", "10"]
                 + ["--temperature", "0", "1", "--repeats", "1", "--phases"]
+                + ["--speculative-verify-budget", "off"]  # every step drafts
                 + ["--json", path, "--plot-dir", os.path.join(d, "plots")]
             )
             with open(path) as f:
@@ -269,9 +270,10 @@ class TestBenchOneBatch(CustomTestCase):
                     )
                     for label in worker.PHASES + worker.MODEL_SPANS:
                         self.assertGreater(spans[label], 0, label)
+                    # Nested in the step (that they cover it all is counted
+                    # exactly, op for op, in test_dspark_step_pipeline).
                     total = sum(spans[k] for k in worker.PHASES)
                     self.assertLessEqual(total, spans["step"])
-                    self.assertGreater(total, 0.8 * spans["step"])
             self.assertAlmostEqual(phases["plain"]["step"], 1.0, places=9)
             dspark = phases["dspark"]
             self.assertLess(dspark["draft forward"], dspark["draft"])
@@ -320,6 +322,7 @@ class TestBenchOneBatch(CustomTestCase):
         rc, _, rows = _main_json(
             ["--batch-size", "2", "--input-len", "4", "--output-len", "8"]
             + ["--temperature", "0", "1", "--repeats", "1", "--count-ops"]
+            + ["--speculative-verify-budget", "off"]  # every step drafts
         )
         self.assertEqual(rc, 0)
         for row in rows:

@@ -11,6 +11,7 @@ exactly with OpCounter.
 Counts come through the workers' phase spans: nothing is patched.
 """
 
+import itertools
 import unittest
 
 import torch
@@ -31,13 +32,17 @@ PROMPTS = [[7, 3, 9, 1], [4, 4, 8], [12, 50, 2, 77, 5]]
 STEPS = 3  # counted decode steps, after the admission step
 
 
-def _engine(speculative_algorithm="DSPARK", variant="fixed") -> Engine:
+def _engine(speculative_algorithm="DSPARK", variant="fixed", budget="off") -> Engine:
+    # A fixed budget: "auto" plans from measured step times, so its steps
+    # (and with them the counts) could differ between runs.
+    spec = dict(speculative_verify_budget=budget) if speculative_algorithm else {}
     engine = Engine(
         speculative_algorithm=speculative_algorithm,
         device="cpu",
         random_seed=0,
         max_running_requests=4,
         cuda_graph_bs=[1, 2, 4],  # 3 requests pad to 4: padded rows exist
+        **spec,
     )
     return with_proposer(engine, variant) if speculative_algorithm else engine
 
@@ -146,11 +151,16 @@ class TestGlueAllocations(CustomTestCase):
         return [step.allocs - model for step, model in counted]
 
     def test_dspark_step_glue_allocates_nothing(self):
-        for prompts in (PROMPTS[:1], PROMPTS):  # bs 1, and bs 3 padded to 4
+        # Every draft verified, a ragged verify (4 drafts), a plain step.
+        for budget, prompts in itertools.product(
+            ("off", 4, 0), (PROMPTS[:1], PROMPTS)  # bs 1, and bs 3 padded to 4
+        ):
             for temperature in (0.0, 1.0, [0.0, 1.0, 0.7][: len(prompts)]):
-                with self.subTest(bs=len(prompts), temperature=temperature):
+                with self.subTest(
+                    budget=budget, bs=len(prompts), temperature=temperature
+                ):
                     counted = count_decode_steps(
-                        _engine(), prompts=prompts, temperature=temperature
+                        _engine(budget=budget), prompts=prompts, temperature=temperature
                     )
                     self.assertEqual(self._glue(counted), [0] * STEPS)
                     for step, model in counted:
