@@ -40,6 +40,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
     ModelOutput,
     fill_mlp_sync_metadata,
+    step_num_token_non_padded,
     target_num_token_non_padded,
 )
 from sglang.srt.model_executor.graph_runner import GraphRunner
@@ -96,6 +97,7 @@ class DecodeBuffers(StepBuffers[DecodeViews]):
             out_cache_loc=out_cache_loc,
             req_pool_indices=state.req_pool_indices,
             kv_lens=state.seq_lens,  # row seq_len - 1 sees keys < seq_len
+            num_token_non_padded=step_num_token_non_padded(self.num_token_non_padded),
             num_token_non_padded_cpu=bs,
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,

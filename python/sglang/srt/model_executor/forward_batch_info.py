@@ -19,7 +19,7 @@ then still given for every place, the other fields for the rows run.
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
@@ -90,24 +90,38 @@ def target_num_token_non_padded(
     return buffer.fill_(num_tokens)
 
 
+def step_num_token_non_padded(buffer: torch.Tensor) -> Optional[torch.Tensor]:
+    """A step batch's scalar as the step buffers build it: ``buffer`` (not
+    filled here) when EP > 1 reads it, so that a CUDA graph captured from
+    the batch reads it too; each step fills it before it runs. Else None."""
+    return buffer if enable_num_token_non_padded() else None
+
+
 def fill_mlp_sync_metadata(
     forward_batch,
     *,
     global_counts: Sequence[int],
     global_counts_for_logprob: Sequence[int],
-    num_tokens_per_req: int,
-    num_tokens_for_logprob_per_req: int,
     can_run_dp_cuda_graph: bool,
     device,
+    num_tokens_per_req: int = 1,
+    num_tokens_for_logprob_per_req: int = 1,
+    rows_of: Optional[Callable[[int], int]] = None,
 ) -> None:
     """A forward's data-parallel sync fields, from every rank's raw counts
     (requests on a decode step; tokens, with widths 1, on a prefill) scaled
-    into this forward's rows per request. The device copies are skipped
-    when a CUDA graph runs the batch, else uploaded."""
-    gnt = [int(n) * num_tokens_per_req for n in global_counts]
-    gnt_logprob = [
-        int(n) * num_tokens_for_logprob_per_req for n in global_counts_for_logprob
-    ]
+    into this forward's rows per request, or, with ``rows_of``, into the
+    rows of a rank with that count (a ragged verify's are not a multiple of
+    its requests). The device copies are skipped when a CUDA graph runs the
+    batch, else uploaded."""
+    if rows_of is None:
+        gnt = [int(n) * num_tokens_per_req for n in global_counts]
+        gnt_logprob = [
+            int(n) * num_tokens_for_logprob_per_req for n in global_counts_for_logprob
+        ]
+    else:
+        gnt = [rows_of(int(n)) for n in global_counts]
+        gnt_logprob = [rows_of(int(n)) for n in global_counts_for_logprob]
     forward_batch.original_global_num_tokens_cpu = list(global_counts)
     forward_batch.global_num_tokens_cpu = gnt
     forward_batch.global_num_tokens_for_logprob_cpu = gnt_logprob

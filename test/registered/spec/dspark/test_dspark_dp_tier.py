@@ -497,5 +497,32 @@ class TestBusyIdleGraphKeyIdentity(CustomTestCase):
             self.assertEqual(len(keys), 1, (counts, tiers, keys))
 
 
+class TestDpVerifyRows(CustomTestCase):
+    def test_every_ranks_real_verify_rows(self):
+        # Ranks with 3, 1 and 0 requests, each planning 1 draft a request:
+        # rows 4 (the busiest, padded), budget 4 drafts. A rank's real rows
+        # are its anchors and the budget's drafts, its real requests' first:
+        # 3 + 4, 1 + 4 (all on its one request), 0; this rank (rank 0) masks
+        # by its own.
+        worker = _dp_worker()
+        params = SamplingParams(max_new_tokens=4)
+        reqs = [
+            Req(rid=i, origin_input_ids=[1, 2], sampling_params=params)
+            for i in range(3)
+        ]
+        for i, req in enumerate(reqs):
+            req.output_ids, req.req_pool_idx = [5], i + 1
+        batch = ScheduleBatch.from_reqs(reqs, "cpu")
+        batch.global_num_tokens = batch.global_num_tokens_for_logprob = [3, 1, 0]
+        batch.global_verify_tier_num_tokens = [6, 2, 0]
+        rows, budget = worker._prepare(batch, batch.sampling_mode)
+        self.assertEqual((rows, budget), (4, 4))
+        verify = worker._verify_batch(worker.buffers.at(rows), rows, budget)
+        self.assertEqual(verify.global_num_tokens_cpu, [7, 5, 0])
+        self.assertEqual(verify.global_num_tokens_for_logprob_cpu, [7, 5, 0])
+        self.assertEqual(verify.original_global_num_tokens_cpu, [3, 1, 0])
+        self.assertEqual(verify.num_token_non_padded_cpu, 7)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -206,5 +206,41 @@ class TestDSparkExpertParallel(CustomTestCase):
             self.assertEqual(rank["output_ids"], self.single["output_ids"])
 
 
+class TestStepBatchesCarryTheScalarFromTheStart(CustomTestCase):
+    """A CUDA graph is captured from the step buffers' batches before any
+    step runs: under EP > 1 they carry the scalar buffers from the start, so
+    a replay masks by what each step fills; at EP 1, None."""
+
+    def test_built_with_the_buffers(self):
+        plain_args = dict(ENGINE_ARGS, speculative_algorithm=None)
+        del plain_args["speculative_verify_budget"]
+        for enabled in (False, True):
+            with (
+                self.subTest(enabled=enabled),
+                mock.patch(TARGET_PREDICATE, return_value=enabled),
+            ):
+                dspark = Engine(**dict(ENGINE_ARGS, speculative_verify_budget=4))
+                plain = Engine(**plain_args)
+                b = dspark.worker.buffers
+                v = b.at(4)
+                want = {
+                    "verify": b.verify_scalar,
+                    "plain step": b.verify_scalar,
+                    "ragged verify": b.verify_scalar,
+                    "draft": b.draft_scalar,
+                    "plain decoding": plain.worker.buffers.num_token_non_padded,
+                }
+                got = {
+                    "verify": v.verify_batch,
+                    "plain step": v.plain_batch,
+                    "ragged verify": b.ragged(4, 4).batch,
+                    "draft": v.draft_batch,
+                    "plain decoding": plain.worker.buffers.at(4).forward_batch,
+                }
+                for name, batch in got.items():
+                    scalar = batch.num_token_non_padded
+                    self.assertIs(scalar, want[name] if enabled else None, name)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -377,34 +377,42 @@ class TestBudgetsEndToEnd(CustomTestCase):
 
 class TestPaddedRaggedVerify(CustomTestCase):
     def test_real_requests_verify_first_and_the_host_knows_their_rows(self):
-        # 3 requests in a bucket of 4, a budget of 4 drafts: the real
-        # requests verify all 4, so the verify's real rows (the int32 scalar
-        # EP > 1's router masks by) are 3 + 4, as the host says.
+        # 3 requests in a bucket of 4 (gamma 5): a budget of 4 drafts goes
+        # to the real requests; of 17, they verify all 15 of theirs and the
+        # padding request the other 2. The verify's real rows (the int32
+        # scalar EP > 1's router masks by) are 3 + 4 and 3 + 15, as the host
+        # says.
         target = "sglang.srt.model_executor.forward_batch_info"
-        with mock.patch(f"{target}.enable_num_token_non_padded", return_value=True):
-            engine = _engine(4, cuda_graph_bs=[1, 2, 4])
-            sched, worker = engine.scheduler, engine.worker
-            for i, ids in enumerate(PROMPTS):
-                params = SamplingParams(max_new_tokens=12)
-                sched.add_request(
-                    Req(rid=i, origin_input_ids=ids, sampling_params=params)
-                )
-            sched.step()  # the prefills
-            ragged = worker.buffers.ragged(4, 4)
-            steps = 0
-            while sched.has_work():
-                sched.step()
-                if sched._batch is None or sched._batch.batch_size != 3:
-                    continue
-                steps += 1
-                lens = worker.buffers.at(4).verify_lens.tolist()
-                self.assertEqual(lens[3], 0)
-                self.assertEqual(sum(lens), 4)
-                real = int((ragged.row_req < 3).sum())
-                self.assertEqual(real, 3 + 4)
-                self.assertEqual(worker.buffers.verify_scalar.item(), real)
-                self.assertEqual(ragged.batch.num_token_non_padded_cpu, real)
-            self.assertGreater(steps, 0)
+        for budget in (4, 17):
+            with (
+                self.subTest(budget=budget),
+                mock.patch(f"{target}.enable_num_token_non_padded", return_value=True),
+            ):
+                self._check(budget)
+
+    def _check(self, budget):
+        engine = _engine(budget, cuda_graph_bs=[1, 2, 4])
+        sched, worker = engine.scheduler, engine.worker
+        g = worker.gamma
+        for i, ids in enumerate(PROMPTS):
+            params = SamplingParams(max_new_tokens=30)
+            sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
+        sched.step()  # the prefills
+        ragged = worker.buffers.ragged(4, budget)
+        steps = 0
+        while sched.has_work():
+            sched.step()
+            if sched._batch is None or sched._batch.batch_size != 3:
+                continue
+            steps += 1
+            lens = worker.buffers.at(4).verify_lens.tolist()
+            self.assertEqual(sum(lens), budget)
+            self.assertEqual(lens[3], max(0, budget - 3 * g))
+            real = int((ragged.row_req < 3).sum())
+            self.assertEqual(real, 3 + min(budget, 3 * g))
+            self.assertEqual(worker.buffers.verify_scalar.item(), real)
+            self.assertEqual(ragged.batch.num_token_non_padded_cpu, real)
+        self.assertGreater(steps, 0)
 
 
 class TestServerArgs(CustomTestCase):

@@ -152,19 +152,23 @@ class TestFullGraph(CustomTestCase):
         return out
 
     def test_compiles_whole_and_matches_eager(self):
-        # Every draft verified, a ragged verify (4 drafts of 15), and a plain
-        # step (budget 0).
-        # With every sampling parameter too (processed, seeded, logprobs).
-        cases = [(name, "off", False) for name in TEMPERATURES] + [
-            ("mixed", 4, False),
-            ("sampled", 0, False),
-            ("mixed", "off", True),
-            ("sampled", 4, True),
-            ("greedy", 0, True),
+        # Every draft verified, a ragged verify (4 drafts of 15; also in a
+        # bucket of 4, its padding request masked), and a plain step
+        # (budget 0). With every sampling parameter too (processed, seeded,
+        # logprobs).
+        cases = [(name, "off", False, None) for name in TEMPERATURES] + [
+            ("mixed", 4, False, None),
+            ("mixed", 4, False, [1, 2, 4]),
+            ("sampled", 0, False, None),
+            ("mixed", "off", True, None),
+            ("sampled", 4, True, None),
+            ("greedy", 0, True, None),
         ]
-        for name, budget, extras in cases:
-            with self.subTest(mode=name, budget=budget, extras=extras):
-                engine = _running(TEMPERATURES[name], budget=budget, extras=extras)
+        for name, budget, extras, buckets in cases:
+            with self.subTest(mode=name, budget=budget, extras=extras, buckets=buckets):
+                engine = _running(
+                    TEMPERATURES[name], buckets, budget=budget, extras=extras
+                )
                 gen = engine.worker.generator
                 seed = gen.initial_seed()
                 gen.manual_seed(seed)

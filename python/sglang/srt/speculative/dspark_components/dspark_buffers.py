@@ -46,6 +46,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,
+    step_num_token_non_padded,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.step_buffers import StepBuffers
@@ -270,7 +271,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         block_slots, block_kv_lens = self.block_slots[:bs], self.block_kv_lens[:bs]
         drafts, accept_lens = verify_ids[:, 1:], self.accept_lens[:bs]
 
-        def batch(mode, q_len, ids, pos, locs, kv_lens, runner, capture):
+        def batch(mode, q_len, ids, pos, locs, kv_lens, runner, capture, scalar):
             return ForwardBatch(
                 forward_mode=mode,
                 batch_size=bs,
@@ -280,6 +281,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
                 out_cache_loc=locs.view(-1),
                 req_pool_indices=state.req_pool_indices,
                 kv_lens=kv_lens.view(-1),
+                num_token_non_padded=step_num_token_non_padded(scalar),
                 num_token_non_padded_cpu=bs * q_len,
                 capture_hidden_mode=capture,
                 req_to_token_pool=runner.req_to_token_pool,
@@ -295,6 +297,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             verify_kv_lens,
             self.target_runner,
             CaptureHiddenMode.FULL,
+            self.verify_scalar,
         )
         draft_batch = batch(
             ForwardMode.DRAFT_EXTEND_V2,
@@ -305,6 +308,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             block_kv_lens,
             self.draft_runner,
             CaptureHiddenMode.NULL,
+            self.draft_scalar,
         )
         corrections, noisy = cut(self.corrections, g, bs, V), cut(self.noisy, g, bs, V)
         pq = cut(self.pq, 2, g + 1, bs, V)
@@ -409,6 +413,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
                 out_cache_loc=self.plain_slots[:bs],
                 req_pool_indices=state.req_pool_indices,
                 kv_lens=state.seq_lens,  # the anchor at seq_len - 1
+                num_token_non_padded=step_num_token_non_padded(self.verify_scalar),
                 num_token_non_padded_cpu=bs,
                 capture_hidden_mode=CaptureHiddenMode.FULL,
                 req_to_token_pool=self.target_runner.req_to_token_pool,
@@ -450,6 +455,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
                 out_cache_loc=self.ragged_slots[:t],
                 req_pool_indices=v.state.req_pool_indices,
                 kv_lens=v.verify_batch.kv_lens,  # every place of the window
+                num_token_non_padded=step_num_token_non_padded(self.verify_scalar),
                 num_token_non_padded_cpu=t,
                 capture_hidden_mode=CaptureHiddenMode.FULL,
                 req_to_token_pool=self.target_runner.req_to_token_pool,

@@ -413,13 +413,9 @@ class DSparkWorker:
         budget = self._plan(batch, rows)
         v = buffers.at(rows)
         verify = self._verify_batch(v, rows, budget)
-        # The verify's real rows: each request's anchor and the drafts it
-        # verifies, request-major. A ragged verify shares the budget among
-        # the real requests first (padded ones take what is left), so the
-        # host knows the count exactly.
-        if 0 < budget < rows * g:
+        if 0 < budget < rows * g:  # the requests that share it first
             buffers.real_requests.fill_(bs)
-        num_tokens = bs + min(budget, bs * g)
+        num_tokens = self._verify_rows(bs, budget)
         verify.num_token_non_padded = target_num_token_non_padded(
             num_tokens, buffers.verify_scalar, self.device
         )
@@ -435,10 +431,9 @@ class DSparkWorker:
                 verify,
                 global_counts=batch.global_num_tokens,
                 global_counts_for_logprob=batch.global_num_tokens_for_logprob,
-                num_tokens_per_req=1 + budget // rows,
-                num_tokens_for_logprob_per_req=1 + budget // rows,
                 can_run_dp_cuda_graph=batch.can_run_dp_cuda_graph,
                 device=self.device,
+                rows_of=lambda n: self._verify_rows(n, budget),
             )
         if budget > 0:
             self._write_stashed_context(batch)
@@ -458,6 +453,13 @@ class DSparkWorker:
                 if seeded:  # slot j draws for output position out_lens + j
                     fill_seeded_log_e_(v.log_e, st, v.slot_offsets)
         return rows, budget
+
+    def _verify_rows(self, num_reqs: int, budget: int) -> int:
+        """A verify's real rows with ``num_reqs`` real requests: each one's
+        anchor and the drafts it verifies (request-major). The budget goes
+        to the real requests first (those padding a bucket take what is
+        left: ``ScheduleVerifyLensTopk``), so the host knows the count."""
+        return num_reqs + min(budget, num_reqs * self.gamma)
 
     def _write_stashed_context(self, batch: ScheduleBatch) -> None:
         """Before drafting: the draft context of positions that plain steps
