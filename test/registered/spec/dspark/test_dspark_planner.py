@@ -205,6 +205,15 @@ class TestPlanner(CustomTestCase):
         conf = [[0.95, 0.95]]
         self.assertEqual(planner.plan(confidence=conf, sampled=[False]), 2)
 
+    def test_a_padded_bucket_credits_the_drafts_it_verifies(self):
+        # 2 requests, gains .9 .81 each, costs 2, 2.2, 2.4 for L = 0..2:
+        # unpadded L = 2 (5.42 / 2.4 against 3.8 / 2.2); in a bucket of 4,
+        # L = 1 verifies 4 drafts, both blocks whole: 5.42 / 2.2.
+        planner = self._planner(_table())
+        conf, kinds = [None, None], [False, False]
+        self.assertEqual(planner.plan(confidence=conf, sampled=kinds), 4)
+        self.assertEqual(planner.plan(confidence=conf, sampled=kinds, rows=4), 2)
+
     def test_new_requests_take_the_position_prior(self):
         planner = self._planner(_table(per_draft=0.4))
         self.assertEqual(planner.position_rate, [0.9, 0.9])  # optimistic

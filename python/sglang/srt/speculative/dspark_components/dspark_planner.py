@@ -288,11 +288,15 @@ class DSparkVerifyPlanner:
         *,
         confidence: Sequence[Optional[Sequence[float]]],  # per request: [gamma] raw
         sampled: Sequence[bool],  # per request
+        rows: Optional[int] = None,  # the step's bucket (None: bs, unpadded)
     ) -> int:
         """A new plan: the budget (drafts to verify in all, a multiple of bs)
         for this step and the ``replan_every - 1`` after it (``held``). A
-        request's confidence is None before its first block."""
+        request's confidence is None before its first block. In a bucket of
+        ``rows``, tier L verifies L * rows drafts, the real requests' first
+        (``ScheduleVerifyLensTopk``): it is credited with that many gains."""
         bs, g = len(confidence), self.gamma
+        rows = bs if rows is None else rows
         gains = []
         for raw, kind in zip(confidence, sampled):
             p = 1.0
@@ -313,7 +317,7 @@ class DSparkVerifyPlanner:
         plain, drafting = self._scale.get(bs, (1.0, 1.0))
         rates, expected = [bs / (plain * costs[0])], float(bs)
         for L in range(1, g + 1):
-            expected += sum(gains[(L - 1) * bs : L * bs])
+            expected += sum(gains[(L - 1) * rows : L * rows])
             rates.append(expected / (drafting * costs[L]))
         # The most tokens per second; within TIE of it, the larger budget
         # (more tokens a step, for the same throughput).

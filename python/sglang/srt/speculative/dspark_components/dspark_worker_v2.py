@@ -386,6 +386,7 @@ class DSparkWorker:
             budget = planner.plan(
                 confidence=[r.spec_draft_confidence for r in batch.reqs],
                 sampled=[r.sampling_params.temperature > 0 for r in batch.reqs],
+                rows=self.graph_runner.padded_size(bs),
             )
             parallel = get_parallel()
             if parallel.moe_ep_group is not None and not parallel.enable_dp_attention:
