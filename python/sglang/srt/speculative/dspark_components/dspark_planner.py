@@ -272,7 +272,7 @@ class DSparkVerifyPlanner:
 
     def hold(self, budget: int) -> None:
         """Hold ``budget`` for the batch size just planned: ``replan_every``
-        steps, a plain one one step (its blocks' confidence is spent). The
+        steps, a plain one for one step (its blocks' confidence is spent). The
         plan's own, or what the ranks agreed on instead: ranks that hold the
         same budget plan again on the same step."""
         self._countdown = self.replan_every - 1 if budget else 0
