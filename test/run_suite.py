@@ -141,7 +141,9 @@ def check() -> int:
             if not collect_registrations(path):
                 problems.append(f"{path}: no register_cpu_ci/register_cuda_ci call")
             if not has_main_entry(path):
-                problems.append(f'{path}: no `if __name__ == "__main__":` entry')
+                problems.append(
+                    f'{path}: no `if __name__ == "__main__":` entry as its last statement'
+                )
         except RegistrationError as e:
             problems.append(str(e))
     for problem in problems:

@@ -205,6 +205,9 @@ class TestCIRegister(CustomTestCase):
         self.assertFalse(has_main_entry(self.write("test_c.py", no_call)))
         self.assertFalse(has_main_entry(self.write("test_d.py", nested)))
         self.assertFalse(has_main_entry(self.write("test_e.py", "x = 1\n")))
+        # A class after the guard never runs when the file runs as a script.
+        after = runs + "class TestLate(unittest.TestCase):\n    pass\n"
+        self.assertFalse(has_main_entry(self.write("test_f.py", after)))
 
     def test_collect_tests_walks_test_files_only(self) -> None:
         self.write("test_a.py", HEADER + "register_cpu_ci(1, 'a')\n")

@@ -74,7 +74,9 @@ class TestBenchOneBatch(CustomTestCase):
             lo, hi = r["step_cost_ratio_ci95"]
             self.assertLess(lo, r["step_cost_ratio"])
             self.assertLess(r["step_cost_ratio"], hi)
-            # DSpark also runs the draft and verifies gamma + 1 rows.
+            # A DSpark step does more than a plain one, even one that drafts
+            # nothing (auto may plan budget 0 here: it stashes the context);
+            # that a drafting step runs the draft, test_phases checks.
             self.assertGreater(r["dspark_ops_per_step"], r["plain_ops_per_step"])
             # Speedup: tokens per step (exact counts) over the paired cost.
             tokens = r["num_prompts"] * r["repeats"] * 8  # decode tokens per engine

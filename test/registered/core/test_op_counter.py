@@ -9,10 +9,11 @@ import torch
 
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder, PhaseSpans
-from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=1, suite="base-a-test-cpu")
+register_cuda_ci(est_time=1, stage="base-b", runner_config="1-gpu-large")
 
 
 class TestOpCounter(CustomTestCase):

@@ -12,10 +12,11 @@ import torch
 
 from sglang import Engine
 from sglang.srt.server_args import ServerArgs
-from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, cuda_available
 
 register_cpu_ci(est_time=3, suite="base-a-test-cpu")
+register_cuda_ci(est_time=3, stage="base-b", runner_config="1-gpu-large")
 
 
 class TestServerArgsValidation(CustomTestCase):
@@ -113,9 +114,12 @@ class TestServerArgsValidation(CustomTestCase):
             ServerArgs(device="cpu", disable_cuda_graph=True).cuda_graph_bs
         )
         self.assertEqual(ServerArgs(device="cpu", cuda_graph_bs=[2]).cuda_graph_bs, [2])
-        if torch.cuda.is_available():
-            args = ServerArgs(device="cuda", max_running_requests=8)
-            self.assertEqual(args.cuda_graph_bs, [1, 2, 4, 8])
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+    def test_cuda_graph_bs_default_on_cuda(self):
+        # With graphs on CUDA: powers of two up to the running requests.
+        args = ServerArgs(device="cuda", max_running_requests=8)
+        self.assertEqual(args.cuda_graph_bs, [1, 2, 4, 8])
 
     def test_options_the_algorithm_ignores_are_refused(self):
         for kwargs in (

@@ -214,12 +214,19 @@ def _is_main_guard(test: ast.expr) -> bool:
 
 
 def has_main_entry(path: PathLike) -> bool:
-    """True when the module has an ``if __name__ == "__main__":`` block that calls something."""
-    for stmt in _parse_module(path).body:
-        if isinstance(stmt, ast.If) and _is_main_guard(stmt.test):
-            if any(isinstance(n, ast.Call) for s in stmt.body for n in ast.walk(s)):
-                return True
-    return False
+    """True when the module ends in an ``if __name__ == "__main__":`` block
+    that calls something. It must be the last statement: run as a script
+    (``python3 registered/...py``), the module stops there, so a test class
+    defined after it would never run."""
+    body = _parse_module(path).body
+    if not body:
+        return False
+    last = body[-1]
+    return (
+        isinstance(last, ast.If)
+        and _is_main_guard(last.test)
+        and any(isinstance(n, ast.Call) for s in last.body for n in ast.walk(s))
+    )
 
 
 def runner_label(reg: CIRegistration) -> str:

@@ -213,10 +213,6 @@ class TestDpAttentionFourRanks(_DpAttention):
     configs = FOUR_RANK_CONFIGS
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 DIST_TIMEOUT = 5
 HANG_SLACK = 20  # seconds past dist_timeout that count as "hung"
 
@@ -305,3 +301,7 @@ class TestDpRankRaises(CustomTestCase):
                 kind, message = result["second"]
                 self.assertEqual(kind, "RuntimeError")
                 self.assertIn("restart every rank", message)
+
+
+if __name__ == "__main__":
+    unittest.main()
