@@ -117,18 +117,65 @@ class TestPaddedStepCPU(_PaddedChecks, CustomTestCase):
     pass
 
 
+BUDGETS = ("auto", "off", 0, 4)  # every kind of step: plain, ragged, full
+
+
+class TestCaptureWarmUpCPU(CustomTestCase):
+    def test_every_variant_runs_as_a_capture_runs_it(self):
+        # What a capture's warm-up runs for each (bucket, variant) the worker
+        # names, on dummy rows with static shapes (no host bound on the
+        # keys), eagerly: it runs, touches only scratch, and the engine's
+        # tokens afterwards are those of an engine that never ran it.
+        kw = dict(device="cpu", random_seed=0, max_running_requests=8)
+        params = {"max_new_tokens": 12}
+        for budget in BUDGETS:
+            with self.subTest(budget=budget):
+                kw.update(speculative_algorithm="DSPARK")
+                kw.update(speculative_verify_budget=budget, cuda_graph_bs=[1, 2, 8])
+                fresh, warmed = Engine(**kw), Engine(**kw)
+                worker, ran = warmed.worker, 0
+                for rows in worker.graph_runner.buckets:
+                    for variant in worker._variants(rows):
+                        worker.buffers.state.reset()
+                        worker._device_step(rows, variant, None)
+                        ran += 1
+                worker.buffers.state.reset()
+                self.assertGreaterEqual(ran, 2 * len(SamplingMode))
+                outs = [
+                    e.generate(input_ids=PROMPTS[:3], sampling_params=params)
+                    for e in (fresh, warmed)
+                ]
+                self.assertEqual(*[[o["output_ids"] for o in out] for out in outs])
+
+
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
 class TestPaddedStepCUDA(_PaddedChecks, CustomTestCase):
     device = "cuda"
 
     def test_graphs_captured_up_front_and_replayed(self):
-        _, padded = self._engines("DSPARK")
-        runner = padded.worker.graph_runner
-        keys = {(rows, mode) for rows in (1, 2, 8) for mode in SamplingMode}
-        self.assertEqual(set(runner._graphs), keys)
-        padded.generate(input_ids=PROMPTS[:3], sampling_params={"max_new_tokens": 12})
-        steps = padded.scheduler.decode_step_times
-        self.assertEqual(runner.replays, len(steps))  # one replay per decode step
+        # Every budget's variants capture (a plain step's graph writes the
+        # context stash, made before the capture), and a decode step is one
+        # replay.
+        for budget in BUDGETS:
+            with self.subTest(budget=budget):
+                padded = Engine(
+                    speculative_algorithm="DSPARK",
+                    speculative_verify_budget=budget,
+                    device=self.device,
+                    random_seed=0,
+                    max_running_requests=8,
+                    cuda_graph_bs=[1, 2, 8],
+                )
+                worker = padded.worker
+                runner = worker.graph_runner
+                keys = {(r, v) for r in (1, 2, 8) for v in worker._variants(r)}
+                self.assertEqual(set(runner._graphs), keys)
+                before = runner.replays  # auto's cost table replays too
+                padded.generate(
+                    input_ids=PROMPTS[:3], sampling_params={"max_new_tokens": 12}
+                )
+                steps = padded.scheduler.decode_step_times
+                self.assertEqual(runner.replays - before, len(steps))
 
 
 if __name__ == "__main__":

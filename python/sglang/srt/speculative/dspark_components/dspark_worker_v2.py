@@ -162,6 +162,18 @@ class DSparkWorker:
                 self.buffers.confidence.shape
             ).pin_memory()
         self._rows: Optional[int] = None  # the size the last step ran at
+        # The target hidden states of steps that drafted nothing (budget 0), by
+        # KV slot: their draft context is written when drafting resumes, so
+        # that a plain step costs what plain decoding does. Made before the
+        # capture below: a plain step's graph writes it.
+        self.context_stash: Optional[torch.Tensor] = None
+        if verify_budget != "off":
+            target_config = target_worker.model.config
+            self.context_stash = torch.zeros(
+                draft_runner.token_to_kv_pool.k.shape[1],  # slots, scratch included
+                len(config.target_layer_ids) * target_config.hidden_size,
+                device=self.device,
+            )
         self.graph_runner = GraphRunner(
             step=self._device_step,
             bucket_sizes=bucket_sizes,
@@ -171,17 +183,6 @@ class DSparkWorker:
         for rows in self.graph_runner.buckets if use_cuda_graph else ():
             self.buffers.at(rows)  # views before capture, outside it
         self.graph_runner.capture(self._variants)
-        # The target hidden states of steps that drafted nothing (budget 0), by
-        # KV slot: their draft context is written when drafting resumes, so
-        # that a plain step costs what plain decoding does.
-        self.context_stash: Optional[torch.Tensor] = None
-        if verify_budget != "off":
-            target_config = target_worker.model.config
-            self.context_stash = torch.zeros(
-                draft_runner.token_to_kv_pool.k.shape[1],  # slots, scratch included
-                len(config.target_layer_ids) * target_config.hidden_size,
-                device=self.device,
-            )
         self.planner: Optional[DSparkVerifyPlanner] = None
         if verify_budget == "auto":
             self.planner = DSparkVerifyPlanner(
