@@ -136,6 +136,8 @@ def with_proposer(engine: Engine, name: str) -> Engine:
         device=old.device,
         spans=old.spans,
     )
+    # The variants differ in the host-side prepare only: CUDA graphs replay
+    # the captured proposer's device work (the worker keeps it alive).
     return engine
 
 

@@ -74,8 +74,12 @@ class TestDSparkMatchesPlainGreedy(CustomTestCase):
         kw = dict(device=device, random_seed=0, max_running_requests=8)
         cls.plain = Engine(speculative_algorithm=None, **kw)
         # Every draft verified: the oracle's verdicts are counted exactly.
+        # Eager on CUDA too: a captured step would replay the real proposer.
         cls.dspark = Engine(
-            speculative_algorithm="DSPARK", speculative_verify_budget="off", **kw
+            speculative_algorithm="DSPARK",
+            speculative_verify_budget="off",
+            disable_cuda_graph=True,
+            **kw,
         )
         cls.gamma = cls.dspark.dspark_config.gamma
         cls.real_proposer = cls.dspark.worker.proposer
@@ -215,7 +219,9 @@ class TestEagerCUDA(CustomTestCase):
         )
         plain = Engine(speculative_algorithm=None, **kw)
         dspark = Engine(speculative_algorithm="DSPARK", **kw)
-        self.assertEqual(dspark.worker.target_worker.model_runner.graph_runners, [])
+        runner = dspark.worker.graph_runner  # eager: no buckets, no graphs
+        self.assertFalse(runner.use_cuda_graph)
+        self.assertEqual((runner.buckets, runner._graphs), ([], {}))
         for bs in (1, 3, 8):
             with self.subTest(bs=bs):
                 prompts = make_prompts(bs, seed=bs)

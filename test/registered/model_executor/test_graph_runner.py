@@ -68,7 +68,8 @@ class _PaddedChecks:
             max_running_requests=8,
             max_total_tokens=512,
         )
-        return Engine(cuda_graph_bs=None, **kw), Engine(cuda_graph_bs=[1, 2, 8], **kw)
+        unpadded = Engine(cuda_graph_bs=None, disable_cuda_graph=True, **kw)
+        return unpadded, Engine(cuda_graph_bs=[1, 2, 8], **kw)
 
     def _check(self, algorithm):
         params = {"max_new_tokens": 12}

@@ -183,6 +183,9 @@ class DSparkWorker:
         for rows in self.graph_runner.buckets if use_cuda_graph else ():
             self.buffers.at(rows)  # views before capture, outside it
         self.graph_runner.capture(self._variants)
+        # The graphs read the proposer's tensors: kept alive should a caller
+        # (a bench, a test) replace the proposer.
+        self.captured_proposer = self.proposer
         self.planner: Optional[DSparkVerifyPlanner] = None
         if verify_budget == "auto":
             self.planner = DSparkVerifyPlanner(
