@@ -10,6 +10,7 @@ available on the device now is rejected before any of it is allocated.
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
@@ -252,10 +253,19 @@ class ServerArgs:
         if _is_int(budget):
             self.speculative_verify_budget = int(budget)
         table = self.speculative_dspark_sps_table_path
-        if table is not None and not isinstance(table, str):
+        if table is not None and (not isinstance(table, str) or not table):
             raise ValueError(
-                f"speculative_dspark_sps_table_path must be a str, got {table!r}"
+                f"speculative_dspark_sps_table_path must be a non-empty str, got "
+                f"{table!r}"
             )
+        if table is not None and not os.path.exists(table):
+            # Measured at start-up and saved there: its folder must exist.
+            folder = os.path.dirname(os.path.abspath(table))
+            if not os.path.isdir(folder):
+                raise ValueError(
+                    f"speculative_dspark_sps_table_path {table!r}: no such file, "
+                    f"and its folder {folder!r} does not exist to save it in"
+                )
         if algo is None:
             # Options plain decoding would ignore: refuse them rather than drop.
             for name, unset in (

@@ -91,7 +91,9 @@ class TestValidation(CustomTestCase):
             ({"top_k": 0}, "top_k must be -1 \\(all tokens\\) or an int >= 1"),
             ({"top_k": 2.0}, "top_k"),
             ({"min_p": -0.1}, "min_p must be a finite number in \\[0, 1\\]"),
-            ({"repetition_penalty": 0}, "repetition_penalty .* in \\(0, 2\\]"),
+            ({"repetition_penalty": 0}, "repetition_penalty .* in \\[1e-06, 2\\]"),
+            ({"repetition_penalty": 1e-50}, "repetition_penalty .* got 1e-50"),
+            ({"temperature": 1e39}, "temperature .* in \\[0, 1e\\+30\\]"),
             ({"frequency_penalty": 2.5}, "frequency_penalty .* in \\[-2, 2\\]"),
             ({"presence_penalty": float("nan")}, "presence_penalty"),
             ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
@@ -187,6 +189,16 @@ class TestGreedyEqualsPlain(CustomTestCase):
             with self.subTest(**params):
                 out = self._check(params)
                 self.assertNotEqual(out, self.base)  # it changed the output
+
+    def test_a_temperature_below_the_eps_is_greedy(self):
+        # Upstream's rule: below 1e-6 a request samples greedily (1e-39
+        # would overflow 1 / T in float32; 1e-320 rounds to 0 there only).
+        for t in (1e-7, 1e-39, 1e-320):
+            self.assertEqual(SamplingParams(temperature=t).temperature, 0.0)
+        self.assertEqual(SamplingParams(temperature=1e-6).temperature, 1e-6)
+        params = {"temperature": 1e-39, "top_k": 5, "sampling_seed": 3}
+        out = self._check(dict(params, ignore_eos=True))
+        self.assertEqual(out, self.base)
 
     def test_stop_ids_end_the_request_there(self):
         stops = [ord(" "), ord("(")]

@@ -4,6 +4,7 @@ computed up front (and equals what the engine then allocates); options the
 chosen algorithm would ignore are refused."""
 
 import os
+import tempfile
 import unittest
 from unittest import mock
 
@@ -12,6 +13,7 @@ import torch
 
 from sglang import Engine
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.dspark_components.dspark_cost_table import VerifyCostTable
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, cuda_available
 
@@ -135,6 +137,42 @@ class TestServerArgsValidation(CustomTestCase):
             ValueError, "speculative_draft_model_path must be a str"
         ):
             ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path=3)
+
+    def test_numpy_verify_width_is_accepted(self):
+        args = ServerArgs(
+            speculative_algorithm="DSPARK", speculative_num_draft_tokens=np.int64(6)
+        )
+        self.assertEqual(
+            (
+                args.speculative_num_draft_tokens,
+                type(args.speculative_num_draft_tokens),
+            ),
+            (6, int),
+        )
+
+    def test_cost_table_path(self):
+        # Refused before the start-up measurement runs: empty, not a str, or
+        # a new file in a folder that does not exist.
+        for bad, needle in (
+            ("", "non-empty str"),
+            (3, "non-empty str"),
+            ("/nonexistent/dir/table.json", "does not exist to save it in"),
+        ):
+            with self.subTest(path=bad):
+                with self.assertRaisesRegex(ValueError, needle):
+                    ServerArgs(
+                        speculative_algorithm="DSPARK",
+                        speculative_dspark_sps_table_path=bad,
+                    )
+        with tempfile.TemporaryDirectory() as d:
+            kw = dict(
+                speculative_algorithm="DSPARK",
+                device="cpu",
+                speculative_dspark_sps_table_path=os.path.join(d, "table.json"),
+            )
+            Engine(**kw)  # measured, then saved there
+            table = VerifyCostTable.load(kw["speculative_dspark_sps_table_path"])
+            self.assertEqual(Engine(**kw).worker.planner.cost_table, table)  # read
 
     def test_dp_attention_without_its_ranks_says_how_to_launch(self):
         # One process, not started by torchrun: no world to join.

@@ -12,7 +12,10 @@ when ``speculative_algorithm == "DSPARK"``:
   ValueError naming both numbers.
 """
 
+import numbers
 from types import SimpleNamespace
+
+import numpy as np
 
 DSPARK_CONFIG_FIELDS = (
     "dspark_block_size",
@@ -71,11 +74,16 @@ def _handle_dspark(server_args) -> None:
     if width is None:
         server_args.speculative_num_draft_tokens = block_size + 1
         return
-    if isinstance(width, bool) or not isinstance(width, int) or width < 2:
+    if (
+        isinstance(width, (bool, np.bool_))
+        or not isinstance(width, numbers.Integral)
+        or width < 2
+    ):
         raise ValueError(
             f"speculative_num_draft_tokens (the verify width, block size + 1) must "
             f"be an int >= 2, got {width!r}"
         )
+    server_args.speculative_num_draft_tokens = width = int(width)
     if width != block_size + 1:
         raise ValueError(
             f"speculative_num_draft_tokens={width} does not fit the draft "

@@ -255,6 +255,8 @@ class Engine:
             self._unclean = []
         error: Optional[ValueError] = None
         try:
+            if progress is not None and not callable(progress):
+                raise ValueError(f"progress must be callable, got {progress!r}")
             reqs = self._make_requests(input_ids, sampling_params, return_logprob)
         except ValueError as e:
             error, reqs = e, []

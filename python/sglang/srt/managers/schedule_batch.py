@@ -41,6 +41,15 @@ def _real(name: str, value, *, ok, text: str) -> float:
     return float(value)
 
 
+# Upstream's: a temperature below it samples greedily (here: stored as 0).
+SAMPLING_EPS = 1e-6
+# The sampling arithmetic runs in float32: past this temperature the noise
+# term (T * log E, |log E| < 17) would overflow. A penalty below its floor
+# would divide logits past float32's range.
+MAX_TEMPERATURE = 1e30
+MIN_REPETITION_PENALTY = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """A request's sampling parameters: upstream's names and meanings
@@ -48,11 +57,11 @@ class SamplingParams:
     are accepted and stored as Python numbers, once."""
 
     max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy (so is anything below SAMPLING_EPS)
     top_p: float = 1.0  # (0, 1]: the smallest set of tokens with this mass
     top_k: int = -1  # -1: all tokens; else the k most likely
     min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the top one's p
-    repetition_penalty: float = 1.0  # (0, 2]: > 1 discourages prompt/output ids
+    repetition_penalty: float = 1.0  # [1e-6, 2]: > 1 discourages prompt/output ids
     frequency_penalty: float = 0.0  # [-2, 2], x each output id's count
     presence_penalty: float = 0.0  # [-2, 2], once per output id
     stop_token_ids: Optional[Tuple[int, ...]] = None  # end the request there
@@ -67,11 +76,13 @@ class SamplingParams:
             "max_new_tokens",
             _int("max_new_tokens", self.max_new_tokens, lo=1, text=" > 0"),
         )
-        fix(
-            self,
+        t = _real(
             "temperature",
-            _real("temperature", self.temperature, ok=lambda t: t >= 0, text=">= 0"),
+            self.temperature,
+            ok=lambda t: 0 <= t <= MAX_TEMPERATURE,
+            text=f"in [0, {MAX_TEMPERATURE:g}]",
         )
+        fix(self, "temperature", 0.0 if t < SAMPLING_EPS else t)
         fix(
             self,
             "top_p",
@@ -97,8 +108,8 @@ class SamplingParams:
             _real(
                 "repetition_penalty",
                 self.repetition_penalty,
-                ok=lambda x: 0 < x <= 2,
-                text="in (0, 2]",
+                ok=lambda x: MIN_REPETITION_PENALTY <= x <= 2,
+                text=f"in [{MIN_REPETITION_PENALTY:g}, 2]",
             ),
         )
         for name in ("frequency_penalty", "presence_penalty"):

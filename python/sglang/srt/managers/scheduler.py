@@ -139,8 +139,9 @@ class Scheduler:
         if need > capacity:
             raise ValueError(
                 f"request {req.rid}: prompt of {len(ids)} tokens + max_new_tokens "
-                f"{req.sampling_params.max_new_tokens} + lookahead {self.lookahead} "
-                f"= {need} exceeds the KV capacity {capacity}"
+                f"{req.sampling_params.max_new_tokens} - 1 (the last is never "
+                f"written) + lookahead {self.lookahead} = {need} exceeds the KV "
+                f"capacity {capacity}"
             )
         stops = req.sampling_params.stop_token_ids or ()
         bad = [t for t in stops if t >= self.vocab_size]
