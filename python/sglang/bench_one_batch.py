@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
             # Each row draws from the seed, whatever ran before it (other rows,
             # warm-ups, --count-ops passes), and its prompts are seeded per
             # row: its figures do not depend on the rows before it.
-            engine.generator.manual_seed(args.seed)
+            engine.reseed(args.seed)
         outputs = {name: [] for name in ENGINES}
         times = {name: [] for name in ENGINES}
         all_reqs = {name: [] for name in ENGINES}

@@ -208,18 +208,20 @@ class ServerArgs:
                 f"moe_a2a_backend must be one of {MOE_A2A_BACKENDS}, got "
                 f"{self.moe_a2a_backend!r}"
             )
-        if self.moe_a2a_backend != "none":
-            if not self.enable_dp_attention:
-                raise ValueError(
-                    f"moe_a2a_backend={self.moe_a2a_backend!r} dispatches each "
-                    f"rank's own rows: it needs enable_dp_attention=True"
-                )
-            if self.use_cuda_graph:
-                raise ValueError(
-                    f"moe_a2a_backend={self.moe_a2a_backend!r} reads its send "
-                    f"splits on the host, which a CUDA graph cannot: pass "
-                    f"disable_cuda_graph=True"
-                )
+        if self.moe_a2a_backend != "none" and not self.enable_dp_attention:
+            raise ValueError(
+                f"moe_a2a_backend={self.moe_a2a_backend!r} dispatches each "
+                f"rank's own rows: it needs enable_dp_attention=True"
+            )
+        if self.enable_dp_attention and self.use_cuda_graph:
+            # Each step's MoE needs every rank's row counts, set per step on
+            # the host (and the all-to-all reads its send splits there): a
+            # graph captured at start-up has neither.
+            raise ValueError(
+                "enable_dp_attention runs its steps eagerly in this slice: its "
+                "MoE reads every rank's row counts on the host each step, which "
+                "a CUDA graph cannot; pass disable_cuda_graph=True"
+            )
 
     def _resolve_model(self) -> TinyMoEConfig:
         """The one place a model path becomes a config."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from sglang import Engine
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.dspark_components.dspark_cost_table import VerifyCostTable
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
@@ -137,6 +138,25 @@ class TestServerArgsValidation(CustomTestCase):
             ValueError, "speculative_draft_model_path must be a str"
         ):
             ServerArgs(speculative_algorithm="DSPARK", speculative_draft_model_path=3)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+    def test_dp_attention_refuses_cuda_graphs(self):
+        # Its MoE reads every rank's counts on the host each step.
+        kw = dict(device="cuda", enable_dp_attention=True, dp_size=2)
+        with self.assertRaisesRegex(ValueError, "pass disable_cuda_graph=True"):
+            ServerArgs(**kw)
+        self.assertFalse(ServerArgs(disable_cuda_graph=True, **kw).use_cuda_graph)
+
+    def test_a_destroyed_worlds_layout_is_forgotten(self):
+        # What init_parallel_from_distributed recorded for a world that has
+        # since been destroyed: an engine on one process starts from one.
+        get_parallel().override_permanently(moe_ep_size=2, moe_ep_rank=1)
+        engine = Engine(device="cpu", random_seed=0)
+        self.assertEqual(get_parallel().moe_ep_size, 1)
+        out = engine.generate(
+            input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 3}
+        )
+        self.assertEqual(len(out[0]["output_ids"]), 3)
 
     def test_numpy_verify_width_is_accepted(self):
         args = ServerArgs(

@@ -105,6 +105,14 @@ def init_parallel_from_distributed(
     return parallel
 
 
+def destroy_model_parallel() -> None:
+    """Forget the groups and the layout ``init_parallel_from_distributed``
+    recorded (a destroyed process group's, say): back to one process."""
+    global _MOE_EP_CPU_GROUP
+    _MOE_EP_CPU_GROUP = None
+    get_parallel().clear_stamp()
+
+
 def get_moe_ep_cpu_group():
     """The EP ranks' gloo group for control messages; None on one process."""
     if get_parallel().moe_ep_size == 1:

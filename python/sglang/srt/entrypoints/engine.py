@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sglang.srt.distributed.parallel_state import (
     all_gather_objects,
     check_ranks_agree,
+    destroy_model_parallel,
     digest_of,
     get_moe_ep_cpu_group,
     init_parallel_from_distributed,
@@ -75,7 +76,11 @@ class Engine:
         device = torch.device(args.device)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)  # process-wide, as torch has it
-        self.generator = torch.Generator(device=device).manual_seed(args.random_seed)
+        # Data-parallel attention: this rank and the number of ranks.
+        self.dp_rank = dist.get_rank() if args.enable_dp_attention else 0
+        self.dp_size = args.dp_size
+        self.generator = torch.Generator(device=device)
+        self.reseed(args.random_seed)
         target = load_target(args.model_path, seed=args.random_seed, device=device)
         cfg = target.config
         self.vocab_size = cfg.vocab_size
@@ -149,16 +154,21 @@ class Engine:
             eos_token_id=args.eos_token_id,
             dp_group=self._check_group if args.enable_dp_attention else None,
         )
-        # Data-parallel attention: this rank and the number of ranks.
-        self.dp_rank = dist.get_rank() if args.enable_dp_attention else 0
-        self.dp_size = args.dp_size
-        self._dp_failure: Optional[BaseException] = None
+        self._rank_failure: Optional[BaseException] = None
         self._rids = itertools.count()
         self._lock = threading.Lock()
         self._lock_owner: Optional[int] = None  # thread id inside generate()
         self._num_calls = 0
         # Requests of a call whose clean-up was itself interrupted.
         self._unclean: List[Req] = []
+
+    def reseed(self, seed: int) -> None:
+        """The engine's generator (unseeded sampling's draws) from ``seed``.
+        Under DP attention each rank draws its own stream of it (rank 0 the
+        seed's own): the ranks sample different requests, which must not
+        share their noise."""
+        mixed = (seed + self.dp_rank * 0x9E3779B97F4A7C15) % 2**64
+        self.generator.manual_seed(mixed)
 
     @staticmethod
     def _init_expert_parallel(args: ServerArgs):
@@ -179,6 +189,7 @@ class Engine:
                 "gloo", timeout=timedelta(seconds=args.dist_timeout)
             )
         if not (dist.is_available() and dist.is_initialized()):
+            destroy_model_parallel()  # a destroyed world's layout is gone too
             return None
         world = dist.get_world_size()
         if args.enable_dp_attention and world != args.dp_size:
@@ -187,6 +198,7 @@ class Engine:
                 f"{world} ranks: one DP attention rank per process"
             )
         if world == 1:
+            destroy_model_parallel()
             return None
         init_parallel_from_distributed(
             attn_dp_size=args.dp_size,
@@ -244,10 +256,10 @@ class Engine:
         self, input_ids, sampling_params, return_logprob, progress
     ) -> List[Dict]:
         scheduler = self.scheduler
-        if self._dp_failure is not None:
+        if self._rank_failure is not None:
             raise RuntimeError(
-                f"DP attention rank {self.dp_rank}: an earlier call failed "
-                f"({self._dp_failure!r}), so the ranks' collectives are out of "
+                f"rank {dist.get_rank()}: an earlier call failed "
+                f"({self._rank_failure!r}), so the ranks' collectives are out of "
                 f"step; restart every rank"
             )
         if self._unclean:
@@ -314,8 +326,8 @@ class Engine:
             # slot before the exception leaves generate().
             scheduler.abort_requests(mine)
             self._unclean = []
-            if self.dp_size > 1:
-                self._dp_failure = e
+            if self._check_group is not None:  # the ranks' collectives part
+                self._rank_failure = e
             raise
         self._unclean = []
         return results

@@ -106,7 +106,7 @@ def _run(name: str, world: int) -> dict:
         for mode, st in m.dispatcher.stats.items():
             total = stats.setdefault(mode, Counter())
             total.update(asdict(st))
-    return {
+    result = {
         "outputs": [o["output_ids"] for o in out],
         "ids": [o["meta_info"]["id"] for o in out],
         "steps": engine.scheduler.num_dp_steps,
@@ -115,6 +115,14 @@ def _run(name: str, world: int) -> dict:
         "copies": dict(copies),
         "hidden_size": _target(engine).config.hidden_size,
     }
+    # One prompt sampled four times: requests 0 and 1 sit at the same batch
+    # place on ranks 0 and 1, so they differ only if the ranks' draws do.
+    sampled = engine.generate(
+        input_ids=[PROMPTS[0]] * 4,
+        sampling_params={"max_new_tokens": 16, "temperature": 1.0},
+    )
+    result["sampled"] = [o["output_ids"] for o in sampled]
+    return result
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -155,6 +163,16 @@ class _DpAttention(CustomTestCase):
                         [len(o) for o in result[name]["outputs"]],
                         [p["max_new_tokens"] for p in PARAMS],
                     )
+
+    def test_ranks_sample_with_their_own_draws(self):
+        # Every rank returns every result; requests 0 and 1 (rank 0's and rank
+        # 1's first) came out equal when each rank drew the same noise.
+        for name in self.configs:
+            with self.subTest(config=name):
+                sampled = [r[name]["sampled"] for r in self.ranks]
+                self.assertEqual(sampled[0], sampled[-1])
+                self.assertNotEqual(sampled[0][0], sampled[0][1])
+                self.assertNotEqual(sampled[0][2], sampled[0][3])
 
     def test_ranks_step_in_lockstep(self):
         for name in self.configs:

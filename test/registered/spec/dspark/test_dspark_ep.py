@@ -134,10 +134,16 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         engine = Engine(**ENGINE_ARGS)
         result = _run(engine)
         moe = engine.worker.draft_model.layers[0].mlp
+        # auto measures its cost table at start-up over dummy requests: their
+        # rows count as real (the scalars filled), so the experts run.
+        buffers = Engine(
+            **dict(ENGINE_ARGS, speculative_verify_budget="auto")
+        ).worker.buffers
         result.update(
             moe_ep_size=state.moe_ep_size,
             local_experts=moe.num_local,
             first_local=moe.first_local,
+            measured_scalars=[int(buffers.verify_scalar), int(buffers.draft_scalar)],
         )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -180,6 +186,16 @@ class TestDSparkExpertParallel(CustomTestCase):
                 self.assertEqual(dtype, "torch.int32")
                 self.assertIn(value, [bs * (gamma + 1) for bs in (1, 2, 3)])
             self.assertEqual(draft[0][1], 3 * gamma)  # all three running, padded to 4
+
+    def test_the_start_up_measurement_counts_its_rows_real(self):
+        # auto's cost table times steps over dummy requests: under EP their
+        # scalars say how many rows are real, or every row would be masked
+        # and the table would time no expert (both were 0 before).
+        for rank in self.ranks:
+            verify, draft = rank["measured_scalars"]
+            self.assertGreater(draft, 0)
+            self.assertEqual(draft % 5, 0)  # gamma rows per request
+            self.assertGreater(verify, 0)
 
     def test_padded_rows_reach_no_expert(self):
         # Every real (row, expert) pair reaches an expert on exactly one rank,

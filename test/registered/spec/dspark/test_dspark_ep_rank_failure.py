@@ -66,6 +66,15 @@ def _rank_main(rank: int, port: int, mode: str, out_dir: str) -> None:
         "steps": steps[0],
         "has_work": engine.scheduler.has_work(),
     }
+    # The ranks' collectives are out of step now: a later call is refused
+    # at once rather than waiting out another timeout.
+    start = time.monotonic()
+    try:
+        engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+        result["second"] = None
+    except Exception as e:  # noqa: BLE001 - the test records the type
+        result["second"] = [type(e).__name__, str(e)]
+    result["second_elapsed"] = time.monotonic() - start
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)  # the group is broken: skip its teardown
@@ -110,6 +119,10 @@ class TestExpertParallelRankFailure(CustomTestCase):
         self.assertEqual(result["error"][0], "RuntimeError")
         self.assertLess(result["elapsed"], DIST_TIMEOUT + HANG_SLACK)
         self.assertFalse(result["has_work"])  # its requests were aborted
+        kind, message = result["second"]
+        self.assertEqual(kind, "RuntimeError")
+        self.assertIn("restart every rank", message)
+        self.assertLess(result["second_elapsed"], DIST_TIMEOUT)  # no new wait
         return result, other
 
     def test_killed_rank(self):

@@ -77,7 +77,10 @@ from sglang.srt.speculative.dspark_components.dspark_cost_table import (
     VerifyCostTable,
     measure_cost_table,
 )
-from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
+from sglang.srt.speculative.dspark_components.dspark_draft import (
+    DraftBlockProposer,
+    _make_num_token_non_padded,
+)
 from sglang.srt.speculative.dspark_components.dspark_planner import (
     DSparkVerifyPlanner,
     ScheduleVerifyLensTopk,
@@ -263,10 +266,22 @@ class DSparkWorker:
                 self._rows = rows
             budget = budget * rows // bs
             self.buffers.real_requests.fill_(bs)  # as a step of bs would
-            if parallel.enable_dp_attention:  # every rank measures the same
-                v = self.buffers.at(rows)
-                for fb in (self._verify_batch(v, rows, budget), v.draft_batch):
-                    fb.global_num_tokens_cpu = [fb.num_tokens] * parallel.attn_dp_size
+            # Each batch's real rows, as a step of bs requests counts them:
+            # under EP > 1 the router masks the rest (by the scalars).
+            v = self.buffers.at(rows)
+            verify = self._verify_batch(v, rows, budget)
+            num_verify = self._verify_rows(bs, budget)
+            target_num_token_non_padded(
+                num_verify, self.buffers.verify_scalar, self.device
+            )
+            _make_num_token_non_padded(
+                bs * self.gamma, self.device, out=self.buffers.draft_scalar
+            )
+            counts = ((verify, num_verify), (v.draft_batch, bs * self.gamma))
+            for fb, real in counts:
+                fb.num_token_non_padded_cpu = real
+                if parallel.enable_dp_attention:  # every rank measures the same
+                    fb.global_num_tokens_cpu = [real] * parallel.attn_dp_size
             self.graph_runner.run(
                 rows=rows,
                 variant=(
