@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang.srt.layers.moe.ep_moe import EPMoE
+from sglang.srt.layers.moe.token_dispatcher import _pack, _unpack
 from sglang.srt.layers.moe.topk import TopKOutput, select_experts
 from sglang.srt.models.registry import init_random_weights
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
@@ -262,6 +263,20 @@ class TestEPMoE(CustomTestCase):
             rtol=1e-4,
             atol=1e-4,
         )
+
+
+class TestDispatchPacking(CustomTestCase):
+    def test_expert_ids_round_trip_exactly_or_are_refused(self):
+        # The dispatch sends ids in the hidden dtype: bfloat16 holds every
+        # int up to 256, so 256 experts round-trip and 257 are refused.
+        ids = torch.tensor([[255, 0], [-1, 254], [128, 129]])
+        topk = TopKOutput(topk_weights=torch.rand(3, 2), topk_ids=ids)
+        x = torch.randn(3, 8, dtype=torch.bfloat16)
+        _, back = _unpack(_pack(x, topk, 256), 8, 2, torch.float32)
+        self.assertTrue(torch.equal(back.topk_ids, ids))
+        with self.assertRaisesRegex(ValueError, "257 experts: .* up to 256"):
+            _pack(x, topk, 257)
+        _pack(x.float(), topk, 257)  # float32: exact up to 2**24
 
 
 if __name__ == "__main__":

@@ -59,9 +59,15 @@ class DispatchStats:
         return self.hidden_bytes + self.routing_bytes + self.combine_bytes
 
 
-def _pack(x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+def _pack(x: torch.Tensor, topk: TopKOutput, num_experts: int) -> torch.Tensor:
     """[T, H + 2k]: each row's hidden state, expert weights and expert ids
     (small ints: exact in the hidden dtype), sent as one message."""
+    exact = round(2 / torch.finfo(x.dtype).eps)  # every int up to it is exact
+    if num_experts > exact:
+        raise ValueError(
+            f"{num_experts} experts: their ids are not exact in {x.dtype} (up "
+            f"to {exact}), which the MoE dispatch packs them in"
+        )
     ids = topk.topk_ids.to(x.dtype)
     return torch.cat((x, topk.topk_weights.to(x.dtype), ids), dim=1)
 
@@ -140,7 +146,7 @@ class DpGatherDispatcher(_Dispatcher):
         # The same on every rank: decode steps run the same padded rows
         # everywhere, a prefill's longest prompt covers every rank's rows.
         longest = max([rows] + list(forward_batch.global_num_tokens_cpu))
-        packed = _pack(x, topk)
+        packed = _pack(x, topk, self.num_local * self.ep_size)
         if longest > rows:
             pad = packed.new_zeros(longest - rows, packed.shape[1])
             pad[:, -topk.topk_ids.shape[1] :] = -1  # no expert
@@ -187,7 +193,7 @@ class AllToAllDispatcher(_Dispatcher):
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits: List[int] = send_counts.tolist()
         recv_splits: List[int] = recv_counts.tolist()
-        packed = _pack(x, topk).index_select(0, row)
+        packed = _pack(x, topk, self.num_local * self.ep_size).index_select(0, row)
         received = packed.new_empty(sum(recv_splits), packed.shape[1])
         dist.all_to_all_single(
             received, packed, recv_splits, send_splits, group=self.group
