@@ -274,7 +274,7 @@ class TestDispatchPacking(CustomTestCase):
         x = torch.randn(3, 8, dtype=torch.bfloat16)
         _, back = _unpack(_pack(x, topk, 256), 8, 2, torch.float32)
         self.assertTrue(torch.equal(back.topk_ids, ids))
-        with self.assertRaisesRegex(ValueError, "257 experts: .* up to 256"):
+        with self.assertRaisesRegex(ValueError, "257 experts: .*up to 256"):
             _pack(x, topk, 257)
         _pack(x.float(), topk, 257)  # float32: exact up to 2**24
 
