@@ -112,13 +112,22 @@ class DraftBlockProposer:
         it sets): the draft batch's ``num_token_non_padded`` for its real
         rows, filled into ``scalar`` (a 0-dim int32 buffer of the step's)
         when EP > 1 reads it; under DP attention, every rank's rows."""
-        num_tokens = batch.batch_size * self.gamma
+        self.count_real_rows(
+            views=views, num_tokens=batch.batch_size * self.gamma, scalar=scalar
+        )
+        self._fill_dp_moe_sync_metadata(views.draft_batch, batch, scalar=scalar)
+
+    def count_real_rows(
+        self, *, views: "DSparkStepViews", num_tokens: int, scalar: torch.Tensor
+    ) -> None:
+        """The draft batch's real rows, ``num_tokens``: its
+        ``num_token_non_padded`` (``scalar`` filled when EP > 1 reads it) and
+        the host's count."""
         draft_batch = views.draft_batch
         draft_batch.num_token_non_padded = _make_num_token_non_padded(
             num_tokens, self.device, out=scalar
         )
         draft_batch.num_token_non_padded_cpu = num_tokens
-        self._fill_dp_moe_sync_metadata(draft_batch, batch, scalar=scalar)
 
     def _fill_dp_moe_sync_metadata(
         self, forward_batch, batch, scalar: Optional[torch.Tensor] = None

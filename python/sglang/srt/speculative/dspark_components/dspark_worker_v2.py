@@ -77,10 +77,7 @@ from sglang.srt.speculative.dspark_components.dspark_cost_table import (
     VerifyCostTable,
     measure_cost_table,
 )
-from sglang.srt.speculative.dspark_components.dspark_draft import (
-    DraftBlockProposer,
-    _make_num_token_non_padded,
-)
+from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
 from sglang.srt.speculative.dspark_components.dspark_planner import (
     DSparkVerifyPlanner,
     ScheduleVerifyLensTopk,
@@ -274,14 +271,15 @@ class DSparkWorker:
             target_num_token_non_padded(
                 num_verify, self.buffers.verify_scalar, self.device
             )
-            _make_num_token_non_padded(
-                bs * self.gamma, self.device, out=self.buffers.draft_scalar
+            verify.num_token_non_padded_cpu = num_verify
+            self.proposer.count_real_rows(
+                views=v, num_tokens=bs * self.gamma, scalar=self.buffers.draft_scalar
             )
-            counts = ((verify, num_verify), (v.draft_batch, bs * self.gamma))
-            for fb, real in counts:
-                fb.num_token_non_padded_cpu = real
-                if parallel.enable_dp_attention:  # every rank measures the same
-                    fb.global_num_tokens_cpu = [real] * parallel.attn_dp_size
+            if parallel.enable_dp_attention:  # every rank measures the same
+                for fb in (verify, v.draft_batch):
+                    fb.global_num_tokens_cpu = [
+                        fb.num_token_non_padded_cpu
+                    ] * parallel.attn_dp_size
             self.graph_runner.run(
                 rows=rows,
                 variant=(
