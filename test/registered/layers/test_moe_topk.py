@@ -233,6 +233,17 @@ class TestEPMoE(CustomTestCase):
         # ... and each real row reached exactly top_k experts.
         self.assertEqual(match[:, :n].sum(dim=0).tolist(), [TOP_K] * n)
 
+    def test_a_dtype_round_trip_remakes_the_dense_weights(self):
+        # .to() and back gives the weights new storage (rounded through
+        # bfloat16), possibly at the old address: the dense path's copies
+        # follow every time, as the grouped path's views do.
+        for _ in range(6):
+            self._forward(dense=True)  # made from the current weights
+            self.moe.to(torch.bfloat16).to(torch.float32)
+            dense, _ = self._forward(dense=True)
+            grouped, _ = self._forward(dense=False)
+            torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-5)
+
     def test_bad_top_k(self):
         for top_k in (0, E + 1):
             with self.subTest(top_k=top_k):

@@ -160,6 +160,9 @@ class TestCheckpointLoader(CustomTestCase):
             ({"num_heads": None}, ("'num_heads'", "missing")),
             ({"hidden_size": "64"}, ("'hidden_size'", "'64'")),
             ({"dspark_markov_rank": None}, ("'dspark_markov_rank'",)),
+            # Heads of an even size that split the hidden state: 64 / 5 do not.
+            ({"num_heads": 5}, ("'num_heads' is 5", "hidden_size=64")),
+            ({"num_heads": 128}, ("'num_heads' is 128",)),
         ):
             with self.subTest(changes=changes):
                 path = self._copy(self.bundle)
@@ -205,6 +208,25 @@ class TestCheckpointLoader(CustomTestCase):
             **{k: None for k in vars(get_hf_config(path)) if k.startswith("dspark_")},
         )
         self._assert_load_error(path, WEIGHTS_NAME, "unexpected tensor 'dspark.")
+        # Anything but the draft's own tensors in a draft-only checkpoint.
+        path = self._copy(self.draft_dir)
+        file = os.path.join(path, WEIGHTS_NAME)
+        tensors = load_file(file)
+        tensors["embed_tokens.weight"] = torch.zeros(2, dtype=torch.bfloat16)
+        save_file(tensors, file)
+        self._assert_load_error(
+            path, WEIGHTS_NAME, "unexpected tensor 'embed_tokens.weight'", draft=True
+        )
+
+    def test_the_draft_loads_in_its_targets_dtype(self):
+        # It shares the target's embedding and LM head: another dtype would
+        # cast them under the target.
+        target = load_target_checkpoint(self.bundle, device="cpu")
+        with self.assertRaisesRegex(ValueError, "load both in one dtype"):
+            load_draft_checkpoint(
+                self.bundle, target=target, device="cpu", dtype=torch.bfloat16
+            )
+        self.assertEqual(target.embed_tokens.weight.dtype, torch.float32)
 
     def test_draft_must_fit_the_target(self):
         for changes, needles in (
@@ -217,6 +239,10 @@ class TestCheckpointLoader(CustomTestCase):
             (
                 {"dspark_noise_token_id": 300},
                 ("'dspark_noise_token_id'", "vocab_size=256"),
+            ),
+            (
+                {"dspark_target_layer_ids": [1, 1]},
+                ("'dspark_target_layer_ids'", "strictly increasing"),
             ),
         ):
             with self.subTest(changes=changes):

@@ -103,7 +103,13 @@ def target_config_from(cfg: dict, *, path: str) -> TinyMoEConfig:
         raise ValueError(
             f"{file}: field 'architectures' is {cfg['architectures']!r}, not a target model"
         )
-    return TinyMoEConfig(**{f: _int_field(cfg, f, file) for f in _TARGET_FIELDS})
+    config = TinyMoEConfig(**{f: _int_field(cfg, f, file) for f in _TARGET_FIELDS})
+    if config.hidden_size % config.num_heads or config.head_dim % 2:
+        raise ValueError(
+            f"{file}: field 'num_heads' is {config.num_heads}, but hidden_size="
+            f"{config.hidden_size} must split into heads of an even size (rotary)"
+        )
+    return config
 
 
 def bundles_draft(cfg: dict) -> bool:
@@ -128,6 +134,11 @@ def draft_config_from(cfg: dict, *, path: str) -> DSparkDraftConfig:
             ):
                 raise ValueError(
                     f"{file}: field {name!r} must be a non-empty list of ints >= 0, got {ids!r}"
+                )
+            if any(a >= b for a, b in zip(ids, ids[1:])):
+                raise ValueError(
+                    f"{file}: field {name!r} must be strictly increasing (each "
+                    f"layer's hidden states once, in order), got {ids!r}"
                 )
             values[attr] = tuple(ids)
         else:
@@ -294,6 +305,14 @@ def load_draft_checkpoint(
     cfg = read_config(path)
     file = os.path.join(path, CONFIG_NAME)
     tcfg = target.config
+    shared = target.embed_tokens.weight.dtype
+    if dtype != shared:
+        # It shares the target's embedding and LM head: casting it would cast
+        # them, under the target.
+        raise ValueError(
+            f"dtype={dtype} for the draft, but its target (whose embedding and "
+            f"LM head it shares) is {shared}: load both in one dtype"
+        )
     # A draft's sizes must fit the target whose hidden states and vocab it reads.
     for name in ("hidden_size", "vocab_size"):
         if cfg["architectures"] == [DRAFT_ARCH] and _int_field(
@@ -316,6 +335,14 @@ def load_draft_checkpoint(
         )
     draft = DSparkDraftModel(draft_cfg, target)
     tensors = _read_tensors(path)
+    if cfg["architectures"] == [DRAFT_ARCH]:  # a draft alone: nothing else
+        stray = sorted(n for n in tensors if not n.startswith(DRAFT_PREFIX))
+        if stray:
+            raise ValueError(
+                f"{os.path.join(path, WEIGHTS_NAME)}: unexpected tensor "
+                f"{stray[0]!r} in a draft-only checkpoint (its tensors are "
+                f"{DRAFT_PREFIX}*; the embedding and LM head are the target's)"
+            )
     expected = _expected_shapes(draft, prefix=DRAFT_PREFIX, skip=_SHARED)
     fields = {
         **_int_fields(cfg),

@@ -69,6 +69,7 @@ class DSparkDraftModel(nn.Module):
         self.rotary_emb: RotaryEmbedding = target.rotary_emb
         self._markov_table_key: Optional[Tuple[int, ...]] = None
         self._markov_table: Optional[torch.Tensor] = None
+        self._markov_table_from: Tuple[torch.UntypedStorage, ...] = ()
 
     @torch.no_grad()
     def write_context(
@@ -155,7 +156,8 @@ class DSparkDraftModel(nn.Module):
     def markov_table(self) -> Optional[torch.Tensor]:
         """[V, V]: row v is the correction after token v, W2(W1[v]); None
         above ``MARKOV_TABLE_MAX_VOCAB``. Made once per weight version (a
-        load, a copy_ or a .to() makes a new one)."""
+        load, a copy_ or a .to() makes a new one; an in-place write through
+        ``.data`` bypasses the version and is not seen)."""
         w1, w2 = self.markov_w1.weight, self.markov_w2.weight
         if w1.shape[0] > MARKOV_TABLE_MAX_VOCAB:
             return None
@@ -166,6 +168,8 @@ class DSparkDraftModel(nn.Module):
             with torch.no_grad():
                 self._markov_table = self.markov_w2(w1)  # [V, V]
             self._markov_table_key = key
+            # Held: a new storage cannot take their address unseen.
+            self._markov_table_from = (w1.untyped_storage(), w2.untyped_storage())
         return self._markov_table
 
     @torch.no_grad()

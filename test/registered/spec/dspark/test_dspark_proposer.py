@@ -13,6 +13,7 @@ from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models import dspark
+from sglang.srt.models.registry import load_draft, load_target
 from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
@@ -196,6 +197,20 @@ class TestDraftBlockProposer(CustomTestCase):
         with torch.no_grad():
             draft.markov_w2.weight.mul_(2)
         torch.testing.assert_close(draft.markov_table(), 2 * table)
+
+    def test_markov_table_follows_a_dtype_round_trip(self):
+        # .to() and back gives the head's weights new storage (rounded
+        # through bfloat16), possibly at the old address: a new table.
+        target = load_target("random-tiny-moe", seed=5, device="cpu")
+        draft = load_draft("random-tiny-moe", target=target, seed=5, device="cpu")
+        ids = torch.arange(draft.markov_w1.weight.shape[0])
+        for _ in range(6):
+            draft.markov_table()  # made from the current weights
+            for head in (draft.markov_w1, draft.markov_w2):
+                head.to(torch.bfloat16).to(torch.float32)
+            with torch.no_grad():
+                low_rank = draft.markov_w2(draft.markov_w1(ids))
+            torch.testing.assert_close(draft.markov_table(), low_rank)
 
     def test_large_vocab_keeps_the_low_rank_path(self):
         batch = self._make_batch(temperatures=(0.0, 0.7, 0.0))

@@ -89,6 +89,7 @@ class EPMoE(nn.Module):
         )
         # Layouts derived from w13/w2, remade when a weight changes.
         self._derived_key: Optional[Tuple[int, ...]] = None
+        self._derived_from: Tuple[torch.UntypedStorage, ...] = ()
         self._grouped_experts: Tuple[torch.Tensor, ...] = ()
         self._all_experts: Tuple[torch.Tensor, ...] = ()
 
@@ -101,11 +102,15 @@ class EPMoE(nn.Module):
 
     def _derived_weights(self) -> None:
         """Remake the layouts below when a weight's storage (a .to(), a new
-        .data) or its version (a copy_, a load) changed since the last call."""
+        .data) or its version (a copy_, a load) changed since the last call.
+        The storages they were made from are held, so that a new one cannot
+        take their address unseen. (An in-place write through ``.data``
+        bypasses the version: update weights with ``copy_``, as loaders do.)"""
         w13, w2 = self.w13, self.w2
         key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
         if self._derived_key == key:
             return
+        self._derived_from = (w13.untyped_storage(), w2.untyped_storage())
         w13, w2 = w13.detach(), w2.detach()
         inter, hidden = self.intermediate_size, w13.shape[-1]
         # Grouped path: [E_local, H, 2I] and [E_local, I, H], transposed views
