@@ -567,6 +567,10 @@ def _rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
             rows = bench(args, rank)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(rows, f)
+    except ValueError as e:  # the parent reports it as the bench's error
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+            f.write(str(e))
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -579,12 +583,20 @@ def run(args: argparse.Namespace) -> Dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(
-            _rank_main,
-            args=(args.ep_size, get_open_port(), args, out_dir),
-            nprocs=args.ep_size,
-            join=True,
-        )
+        try:
+            mp.spawn(
+                _rank_main,
+                args=(args.ep_size, get_open_port(), args, out_dir),
+                nprocs=args.ep_size,
+                join=True,
+            )
+        except Exception:  # a rank raised: its own message, when it left one
+            for r in range(args.ep_size):
+                path = os.path.join(out_dir, f"rank{r}.error")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        raise ValueError(f"rank {r}: {f.read()}") from None
+            raise
         ranks = []
         for r in range(args.ep_size):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
@@ -821,9 +833,12 @@ def main(argv=None) -> int:
         args.device = "cpu"
     if args.enable_dp_attention and args.ep_size < 2:
         p.error("--enable-dp-attention needs --ep-size 2 or more")
+    if args.ep_timeout <= 0:
+        p.error("--ep-timeout must be > 0 seconds")
+    if args.profile_steps < 1:
+        p.error("--profile-steps must be >= 1")
     bench_plots.check_json_path(p, args.json)
-    if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
+    bench_plots.check_dir(p, "--profile", args.profile)
     bench_plots.prepare_plot_dir(p, args.plot_dir)
     try:
         result = run(args)

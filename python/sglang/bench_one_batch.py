@@ -60,7 +60,7 @@ import os
 import random
 import statistics
 import sys
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -249,7 +249,11 @@ def _num_prompts(args: argparse.Namespace, bs: int) -> int:
     return args.num_prompts
 
 
-def run(args: argparse.Namespace) -> List[Dict]:
+def run(
+    args: argparse.Namespace, on_row: Callable[[List[Dict]], None] = lambda rows: None
+) -> List[Dict]:
+    """The rows, one per temperature and batch size; ``on_row`` gets the rows
+    so far after each (the JSON is written as they come)."""
     common = dict(
         model_path=args.model_path,
         device=args.device,
@@ -410,6 +414,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
         rows.append(row)
         if printing:
             print(_format(row, engines), flush=True)
+            on_row(rows)
     return rows
 
 
@@ -633,16 +638,31 @@ def main(argv=None) -> int:
             f"{max(args.batch_size)}: the batch would never fill"
         )
     try:  # the sampling parameters, as the engine will check them
-        SamplingParams(**_sampling_extras(args))
+        for t in args.temperature:
+            SamplingParams(temperature=t, **_sampling_extras(args))
     except ValueError as e:
         p.error(str(e))
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu"
+    if args.phases and cuda and not args.disable_cuda_graph:
+        p.error(
+            "--phases times the spans inside a step, which a CUDA graph replay "
+            "does not run: add --disable-cuda-graph"
+        )
     bench_plots.check_json_path(p, args.json)
     bench_plots.prepare_plot_dir(p, args.plot_dir)
-    rows = run(args)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+
+    def write_json(rows: List[Dict]) -> None:  # after each row: none is lost
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=2)
+
+    try:
+        rows = run(args, on_row=write_json)
+    except ValueError as e:  # e.g. a model path or a length the engine refuses
+        print(f"bench_one_batch: error: {e}", file=sys.stderr)
+        return 2
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if args.json:
             print(f"wrote {args.json}")
         if args.plot_dir is not None:
             paths = [bench_plots.speedup_plot(rows, args.plot_dir)]

@@ -8,6 +8,7 @@ too (``check_json_path``). Every plot is drawn from a bench's own JSON rows.
 
 import itertools
 import os
+import tempfile
 from typing import Dict, List
 
 
@@ -22,15 +23,40 @@ def require_matplotlib() -> None:
 
 
 def check_json_path(parser, path) -> None:
-    """A bench's ``--json`` file, checked before its run: its folder exists
-    and it is not a folder itself (else the parser's error)."""
+    """A bench's ``--json`` file, checked before its run: a path, whose
+    folder exists, not a folder itself, and writable (else the parser's
+    error: a long run never ends unable to save its figures)."""
     if path is None:
         return
+    if not path:
+        parser.error("--json needs a file path")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         parser.error(f"--json {path}: folder {folder} does not exist")
     if os.path.isdir(path):
         parser.error(f"--json {path} is a folder; give a file path")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            parser.error(f"--json {path}: not writable")
+        return
+    try:  # a file of its own (ranks may check the same path at once)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        parser.error(f"--json {path}: cannot write in {folder} ({e.strerror})")
+
+
+def check_dir(parser, flag: str, path) -> None:
+    """An output folder of a bench (``--plot-dir``, ``--profile``), made
+    before its run; a path naming a file is the parser's error."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag} {path} is a file; give a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        parser.error(f"{flag} {path}: cannot make it ({e.strerror})")
 
 
 def prepare_plot_dir(parser, path) -> None:
@@ -42,7 +68,7 @@ def prepare_plot_dir(parser, path) -> None:
         require_matplotlib()
     except ImportError as e:
         parser.error(str(e))
-    os.makedirs(path, exist_ok=True)
+    check_dir(parser, "--plot-dir", path)
 
 
 def _pyplot():

@@ -273,7 +273,7 @@ def spec_from_config(cfg: dict, *, name: str, file: str) -> ModelSpec:
     return ModelSpec(
         name=name,
         source=file,
-        vocab_size=_field(cfg, ("vocab_size",), file),
+        vocab_size=_field(cfg, ("vocab_size",), file, minimum=2),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
@@ -439,7 +439,10 @@ def stand_in(spec: ModelSpec) -> ModelSpec:
         shared_intermediate_size=0,
         kv_lora_rank=0,
         dtype="float32",
-        max_position=1024,
+        # Room for the stand-in's runs, verify windows included.
+        max_position=max(
+            1024, kv_need(context=4, steps=STAND_IN_STEPS, gamma=spec.draft.gamma)
+        ),
     )
 
 
@@ -1579,7 +1582,11 @@ def main(argv=None) -> int:
             p.error(f"--config: {path}: a second config named {spec.name!r}")
         names.add(spec.name)
     start = time.perf_counter()
-    result = run(args)
+    try:
+        result = run(args)
+    except ValueError as e:  # what the engines refuse (a seed, a device, ...)
+        print(f"bench_scaling: error: {e}", file=sys.stderr)
+        return 2
     result["wall_s"] = time.perf_counter() - start
     print(format_report(result), flush=True)
     print(f"\nwall time {result['wall_s']:.1f} s")

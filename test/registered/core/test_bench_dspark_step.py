@@ -159,20 +159,32 @@ class TestBenchDSparkStep(CustomTestCase):
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
     def test_json_folder_checked_before_running(self):
-        with mock.patch.object(bench_dspark_step, "run") as run:
-            with self.assertRaises(SystemExit) as cm:
-                _main(TINY + ["--json", "/nonexistent-dir/x.json"])
-        self.assertEqual(cm.exception.code, 2)
-        run.assert_not_called()
+        for bad in (
+            ["--json", "/nonexistent-dir/x.json"],
+            ["--json", "/proc/x.json"],  # a folder that takes no new file
+            ["--profile", __file__],  # a file, not a folder
+            ["--ep-timeout", "-1"],
+            ["--profile-steps", "0"],
+        ):
+            with self.subTest(argv=bad):
+                with mock.patch.object(bench_dspark_step, "run") as run:
+                    with self.assertRaises(SystemExit) as cm:
+                        _main(TINY + bad)
+                self.assertEqual(cm.exception.code, 2)
+                run.assert_not_called()
 
     def test_no_steady_steps_is_an_error(self):
         # Every request ends at its first decode step: someone joins every
         # step, so no step is steady; the bench says so instead of spinning.
         argv = TINY[:2] + ["--output-len", "2", "--steps-per-capture", "2"]
-        stderr = io.StringIO()
-        rc, _ = _main(argv + ["--concurrency", "1"], stderr=stderr)
-        self.assertEqual(rc, 2)
-        self.assertIn("steady", stderr.getvalue())
+        argv += ["--concurrency", "1"]
+        for ranks in (["--ep-size", "1"], ["--ep-size", "2"]):  # a rank's, too
+            with self.subTest(argv=ranks):
+                stderr = io.StringIO()
+                rc, _ = _main(argv + ranks, stderr=stderr)
+                self.assertEqual(rc, 2)
+                self.assertIn("error:", stderr.getvalue())
+                self.assertIn("steady", stderr.getvalue())
 
     def test_six_repeats_run_every_order(self):
         orders = bench_dspark_step.ORDERS

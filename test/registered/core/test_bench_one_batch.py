@@ -357,12 +357,48 @@ class TestBenchOneBatch(CustomTestCase):
             ["--moe-a2a-backend", "all_to_all"],  # without DP attention
             ["--top-p", "0"],
             ["--top-k", "0"],
+            ["--temperature", "0", "-1"],  # every temperature, before any row
+            ["--json", ""],
+            ["--json", "/proc/bench.json"],  # a folder that takes no new file
+            ["--plot-dir", __file__],  # a file, not a folder
         ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):
                     with self.assertRaises(SystemExit) as ctx:
                         bench_one_batch.main(argv)
                 self.assertEqual(ctx.exception.code, 2)
+
+    def test_an_engine_refusal_is_an_error_not_a_traceback(self):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = bench_one_batch.main(["--model-path", "no-such-model"])
+        self.assertEqual(rc, 2)
+        self.assertIn("bench_one_batch: error: unknown model path", err.getvalue())
+
+    def test_the_json_keeps_the_rows_before_a_failing_one(self):
+        # The JSON is written after every row: a failure later loses none.
+        real_format, calls = bench_one_batch._format, []
+
+        def format_then_fail(row, engines):
+            calls.append(row)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real_format(row, engines)
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "bench.json")
+            argv = ["--batch-size", "1", "2", "--input-len", "4", "--output-len"]
+            argv += ["3", "--temperature", "0", "--repeats", "1", "--json", path]
+            argv += ["--model-path", "random-tiny-moe"]
+            with (
+                mock.patch.object(bench_one_batch, "_format", format_then_fail),
+                contextlib.redirect_stdout(io.StringIO()),
+                self.assertRaises(KeyboardInterrupt),
+            ):
+                bench_one_batch.main(argv)
+            with open(path) as f:
+                rows = json.load(f)
+        self.assertEqual([r["batch_size"] for r in rows], [1])
 
     def test_torchrun_with_dp_attention(self):
         # As a user launches it: two ranks, each its own share of the prompts.
