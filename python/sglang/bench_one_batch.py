@@ -39,9 +39,10 @@ them (DSpark: draft, verify, accept, commit, output; attention metadata,
 draft forward, verify forward, context write); the model compute's share
 of the DSpark step; and the speedup DSpark would reach if only its two
 forwards cost time (this run's tokens per step over their cost), a bound
-no change outside the forwards can pass. On CUDA each phase is
+no change outside the forwards can pass. On CUDA it needs
+``--disable-cuda-graph`` (a graph replay runs no span), and each phase is
 synchronized before and after, which serializes launches: a breakdown,
-not a step time.
+not a step time. ``--json`` is written after every row.
 
 Data-parallel attention, one process per rank, as upstream launches it:
 
