@@ -19,6 +19,7 @@ import unittest
 
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenSlotAllocator
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -210,6 +211,29 @@ class TestFailuresReleaseEverything(EngineCase):
             self.assertEqual(reqs[0].output_ids, self.expected[algo][0])
             self.assertEqual(reqs[2].output_ids, self.expected[algo][2])
             self.assert_usable(algo)
+
+
+class TestPoolsRefuseMisuse(CustomTestCase):
+    def test_a_slot_or_row_freed_twice_or_out_of_range(self):
+        # Freed twice, a slot or row would later serve two requests; slot 0
+        # and row 0 are the scratch slot and the dummy request's row.
+        slots = TokenSlotAllocator(8)
+        held = slots.alloc(3)
+        for bad in ([0], [9], [held[0], held[0]], [held[0], 4]):
+            with self.subTest(slots=bad):
+                with self.assertRaisesRegex(ValueError, "is not allocated"):
+                    slots.free(bad)
+                self.assertEqual(slots.available(), 5)  # nothing was freed
+        slots.free(held)
+        self.assertEqual(sorted(slots.free_slots()), list(range(1, 9)))
+        rows = ReqToTokenPool(max_reqs=2, max_context_len=4, device="cpu")
+        row = rows.alloc()
+        for bad in (0, -1, 3, 2 if row == 1 else 1):
+            with self.subTest(row=bad):
+                with self.assertRaisesRegex(ValueError, "is not allocated"):
+                    rows.free(bad)
+        rows.free(row)
+        self.assertEqual(rows.available(), 2)
 
 
 class TestNoSilentSpin(EngineCase):

@@ -55,7 +55,7 @@ class ReqToTokenPool:
         return self._free_rows.pop(0)
 
     def free(self, row: int) -> None:
-        if row == DUMMY_REQ_INDEX or row in self._free_rows:
+        if not 1 <= row <= self.max_reqs or row in self._free_rows:
             raise ValueError(f"request row {row} is not allocated")
         self.req_to_token[row].fill_(SCRATCH_SLOT)
         self._free_rows.append(row)
@@ -77,6 +77,7 @@ class TokenSlotAllocator:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self._free: List[int] = list(range(1, num_slots + 1))
+        self._free_set = set(self._free)  # the same slots, to refuse a double free
 
     def available(self) -> int:
         return len(self._free)
@@ -88,15 +89,27 @@ class TokenSlotAllocator:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV slots, {len(self._free)} free")
         out, self._free = self._free[:n], self._free[n:]
+        self._free_set.difference_update(out)
         return out
 
     def free(self, slots: List[int]) -> None:
+        """Give ``slots`` back; a slot out of range (the scratch slot 0
+        included), free already, or given twice is a ValueError and nothing
+        is freed (a slot freed twice would later serve two requests)."""
+        slots = list(slots)
+        seen = set()
+        for s in slots:
+            if not 1 <= s <= self.num_slots or s in self._free_set or s in seen:
+                raise ValueError(f"KV slot {s} is not allocated")
+            seen.add(s)
         self._free.extend(slots)
+        self._free_set |= seen
 
     def reset_free(self, *, held: Iterable[int]) -> None:
         """Every slot but ``held`` becomes free."""
         held = set(held)
         self._free = [s for s in range(1, self.num_slots + 1) if s not in held]
+        self._free_set = set(self._free)
 
 
 class KVPool:
