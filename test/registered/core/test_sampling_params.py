@@ -30,6 +30,10 @@ from sglang.srt.layers.sampler import SamplingExtras, SamplingMode, draw_log_exp
 from sglang.srt.managers.schedule_batch import SamplingParams
 from sglang.srt.model_loader.loader import WEIGHTS_NAME, save_checkpoint
 from sglang.srt.models.registry import load_draft, load_target
+from sglang.srt.speculative.dspark_components.dspark_planner import (
+    ScheduleVerifyLensTopk,
+    blind_gains,
+)
 from sglang.srt.speculative.dspark_components.dspark_verify import accept
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -390,6 +394,66 @@ class TestAcceptDistribution(CustomTestCase):
         for params in ({"top_k": 3}, {"top_p": 0.6}):
             with self.subTest(**params):
                 self.assertLess(self._run(params, wrong_q=True), P_FLOOR)
+
+
+class TestRaggedScheduleDistribution(CustomTestCase):
+    """A ragged verify shares its budget by confidence; a sampled row's
+    share must not depend on its own drafts, or the output leaves p (a
+    high-q draft judged more often skews it)."""
+
+    N, GAMMA, VOCAB = 100_000, 2, 6
+
+    def _run(self, blind: bool) -> list:
+        n, g, V = self.N, self.GAMMA, self.VOCAB
+        gen = torch.Generator().manual_seed(0)
+        target = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5])
+        q = torch.softmax(torch.tensor([0.0, 1.0, 2.5, 0.5, 1.0, -1.0]), -1)
+        v = dspark_step_views(n, g, V)
+        v.state.inv_temperatures.fill_(1.0)
+        v.state.neg_temperatures.fill_(-1.0)
+        v.state.is_sampled.fill_(True)
+        drafts = torch.multinomial(q, n * g, replacement=True, generator=gen)
+        drafts = drafts.view(n, g)
+        v.drafts.copy_(drafts)
+        v.q_drafts.copy_(q.expand(g, n, V))
+        v.u.uniform_(generator=gen)
+        draw_log_exp1_(v.log_e, gen)
+        budget = n + n // 2  # half the requests verify both drafts
+        ScheduleVerifyLensTopk.execute(
+            confidence=q[drafts].t().contiguous(),  # each draft's q(d)
+            budget=budget,
+            verify_lens=v.verify_lens,
+            gains=torch.empty(g, n),
+            top_values=torch.empty(budget),
+            top_index=torch.empty(budget, dtype=torch.int64),
+            ones=torch.ones(budget, dtype=torch.int64),
+            blind=v.state.is_sampled if blind else None,
+            blind_gains=blind_gains(g, "cpu"),
+        )
+        logits = target.expand(n, g + 1, V).reshape(-1, V).clone()
+        accept(
+            views=v,
+            target_logits=logits,
+            mode=SamplingMode.SAMPLED,
+            query_index=torch.arange(n * (g + 1)),  # every place, judged or not
+        )
+        a, bonus, p = v.accept_lens, v.state.last_ids, torch.softmax(target, -1)
+        first = torch.where(a > 0, drafts[:, 0], bonus)
+        on = a >= 1  # the second token, where the first was a draft
+        second = torch.where(a[on] > 1, drafts[on, 1], bonus[on])
+        if blind:  # an equal share: every first draft, half the second ones
+            self.assertEqual(sorted(set(v.verify_lens.tolist())), [1, 2])
+        return [
+            _chi2_goodness(torch.bincount(t, minlength=V), p) for t in (first, second)
+        ]
+
+    def test_blind_rows_keep_the_target(self):
+        for pv in self._run(blind=True):
+            self.assertGreater(pv, P_FLOOR)
+
+    def test_rows_scheduled_by_their_own_drafts_do_not(self):
+        for pv in self._run(blind=False):
+            self.assertLess(pv, P_FLOOR)
 
 
 class TestEngineDistribution(CustomTestCase):

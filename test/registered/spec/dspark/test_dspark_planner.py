@@ -424,6 +424,40 @@ class TestPaddedRaggedVerify(CustomTestCase):
         self.assertGreater(steps, 0)
 
 
+class TestSampledRowsShareBlind(CustomTestCase):
+    def test_unseeded_sampled_rows_share_the_budget_equally(self):
+        # Their drafts must not decide how many of them are judged (else the
+        # output leaves the target's distribution): 4 drafts over 3 such
+        # requests go 2, 1, 1 whatever the drafts' confidence. A seeded row
+        # may take its share by confidence: the two unseeded ones still
+        # split theirs within one draft.
+        for seeds in ((None, None, None), (None, None, 7)):
+            with self.subTest(seeds=seeds):
+                engine = _engine(4)
+                sched, worker = engine.scheduler, engine.worker
+                for i, (ids, seed) in enumerate(zip(PROMPTS, seeds)):
+                    params = SamplingParams(
+                        max_new_tokens=30, temperature=1.0, sampling_seed=seed
+                    )
+                    sched.add_request(
+                        Req(rid=i, origin_input_ids=ids, sampling_params=params)
+                    )
+                sched.step()  # the prefills
+                steps = 0
+                while sched.has_work():
+                    sched.step()
+                    if sched._batch is None or sched._batch.batch_size != 3:
+                        continue
+                    steps += 1
+                    lens = worker.buffers.at(3).verify_lens.tolist()
+                    self.assertEqual(sum(lens), 4)
+                    if seeds[2] is None:
+                        self.assertEqual(sorted(lens), [1, 1, 2])
+                    else:
+                        self.assertLessEqual(abs(lens[0] - lens[1]), 1)
+                self.assertGreater(steps, 0)
+
+
 class TestServerArgs(CustomTestCase):
     def test_bad_budgets(self):
         for bad in ("on", -1, 1.5, True):

@@ -50,7 +50,10 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.step_buffers import StepBuffers
-from sglang.srt.speculative.dspark_components.dspark_planner import VerifyWindow
+from sglang.srt.speculative.dspark_components.dspark_planner import (
+    VerifyWindow,
+    blind_gains,
+)
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,7 @@ class DSparkStepViews:
     gains: torch.Tensor  # [g, B]: running products of the confidence
     requests_1: torch.Tensor  # [B] int64: 1..B
     padded_requests: torch.Tensor  # [B] bool scratch: past the real requests
+    blind_requests: torch.Tensor  # [B] bool scratch: sampled, not seeded
     row_ends: torch.Tensor  # [B] int64 scratch
     grid_logits: torch.Tensor  # [B * (g + 1), V]: a ragged verify's, placed
     plain_batch: ForwardBatch  # budget 0: one row per request, the anchors
@@ -227,6 +231,8 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         self.full_accept = torch.zeros(n, dtype=torch.bool, device=dev)
         self.requests_1 = torch.arange(1, n + 1, device=dev)
         self.padded_requests = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.blind_requests = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.blind_gains = blind_gains(g, dev)
         self.row_ends = ints(n)
         # A ragged verify's rows (at most n * (g + 1)), and its scratch.
         t = n * (g + 1)
@@ -402,6 +408,7 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
             gains=cut(self.gains, g, bs),
             requests_1=self.requests_1[:bs],
             padded_requests=self.padded_requests[:bs],
+            blind_requests=self.blind_requests[:bs],
             row_ends=self.row_ends[:bs],
             grid_logits=cut(self.grid_logits, bs * (g + 1), V),
             plain_batch=ForwardBatch(

@@ -126,11 +126,29 @@ def dp_verify_drafts_per_req(
     return min(max(plans), gamma)
 
 
+# The confidence a blind row's drafts are scheduled by, whatever they are.
+BLIND_CONFIDENCE = 0.5
+
+
+def blind_gains(gamma: int, device) -> torch.Tensor:
+    """[gamma, 1]: a blind row's gains, BLIND_CONFIDENCE ** (k + 1)."""
+    k = torch.arange(1, gamma + 1, device=device, dtype=torch.float32)
+    return torch.pow(BLIND_CONFIDENCE, k).unsqueeze(1)
+
+
 class ScheduleVerifyLensTopk:
     """How many drafts each request verifies, on the device (no host read):
     the ``budget`` draft positions with the highest chance that they and
     every draft before them are accepted (the running product of the
-    confidences), so each request verifies a prefix of its block."""
+    confidences), so each request verifies a prefix of its block.
+
+    ``blind`` rows (unseeded sampled ones) are scheduled by a constant
+    confidence instead of their drafts': rejection sampling returns the
+    target's distribution only when how many drafts are judged does not
+    depend on the drafts judged (a high-q draft verified more often skews
+    the output). Greedy rows' output is deterministic and seeded rows' is
+    the target's perturbed argmax whatever is verified: their drafts may
+    decide."""
 
     @staticmethod
     def execute(
@@ -145,8 +163,12 @@ class ScheduleVerifyLensTopk:
         real_requests: Optional[torch.Tensor] = None,  # [] int64: real of the bs
         requests_1: Optional[torch.Tensor] = None,  # [bs] int64: 1..bs
         padded: Optional[torch.Tensor] = None,  # [bs] bool scratch
+        blind: Optional[torch.Tensor] = None,  # [bs] bool: not by their drafts
+        blind_gains: Optional[torch.Tensor] = None,  # [gamma, 1]: theirs
     ) -> torch.Tensor:
         torch.cumprod(confidence, dim=0, out=gains)
+        if blind is not None:
+            torch.where(blind, blind_gains, gains, out=gains)
         if real_requests is not None:
             # Requests past the real ones pad a bucket: they take only what
             # the real requests' whole blocks leave of the budget.

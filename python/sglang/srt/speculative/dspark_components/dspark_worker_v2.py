@@ -8,8 +8,9 @@ A decode step is five phases, in order, each one call:
    three forwards), and propose the block (``DraftBlockProposer``: its
    inputs, the draft forward, the Markov head's left-to-right sampling);
    under a budget, share it among the requests by the drafts' confidence
-   (the real requests first, then those padding the bucket) and lay out
-   the rows to verify;
+   (the real requests first, then those padding the bucket; an unseeded
+   sampled request's share never depends on its own drafts, which keeps
+   rejection sampling lossless) and lay out the rows to verify;
 2. verify: the target forward over ``[bonus, d_1..d_gamma]``, or, under a
    budget, over each request's bonus and first ``verify_lens`` drafts
    (a ragged verify); budget 0 is a plain decode step (no draft forward);
@@ -528,7 +529,7 @@ class DSparkWorker:
                     views=v, mode=mode, confidence=confident, extras=extras
                 )
             if ragged:
-                self._lay_out_ragged(v, rows, budget)
+                self._lay_out_ragged(v, rows, budget, mode, extras)
         with self.spans("verify"), self.spans("verify forward"):
             out = self.target_runner.forward(verify)
         with self.spans("accept"):
@@ -579,10 +580,25 @@ class DSparkWorker:
             # the block's bound), the verify and the context write.
             v.verify_batch.attn_metadata = target.init_forward_metadata(v.verify_batch)
 
-    def _lay_out_ragged(self, v: DSparkStepViews, rows: int, budget: int) -> None:
-        """Share the budget among the requests by confidence, place the rows
-        to verify, and give their batch the window's metadata cut to them."""
+    def _lay_out_ragged(
+        self,
+        v: DSparkStepViews,
+        rows: int,
+        budget: int,
+        mode: SamplingMode,
+        extras: SamplingExtras,
+    ) -> None:
+        """Share the budget among the requests by confidence (unseeded
+        sampled rows blind to their drafts': ``ScheduleVerifyLensTopk``),
+        place the rows to verify, and give their batch the window's metadata
+        cut to them."""
         r, buffers = self.buffers.ragged(rows, budget), self.buffers
+        blind = None
+        if mode is not SamplingMode.GREEDY:
+            blind = v.state.is_sampled
+            if extras.seeded:  # seeded rows are sampled ones: the others
+                seeded = v.state.sampling.is_seeded.view(-1)
+                blind = torch.logical_xor(blind, seeded, out=v.blind_requests)
         ScheduleVerifyLensTopk.execute(
             confidence=v.confidence,
             budget=budget,
@@ -594,6 +610,8 @@ class DSparkWorker:
             real_requests=self.buffers.real_requests,
             requests_1=v.requests_1,
             padded=v.padded_requests,
+            blind=blind,
+            blind_gains=buffers.blind_gains,
         )
         ragged_verify_layout(
             verify_lens=v.verify_lens,
