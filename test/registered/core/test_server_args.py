@@ -191,8 +191,12 @@ class TestServerArgsValidation(CustomTestCase):
                 speculative_dspark_sps_table_path=os.path.join(d, "table.json"),
             )
             Engine(**kw)  # measured, then saved there
-            table = VerifyCostTable.load(kw["speculative_dspark_sps_table_path"])
+            path = kw["speculative_dspark_sps_table_path"]
+            table = VerifyCostTable.load(path)
             self.assertEqual(Engine(**kw).worker.planner.cost_table, table)  # read
+            # Another engine's table (here: another running cap) is refused.
+            with self.assertRaisesRegex(ValueError, "another configuration"):
+                Engine(max_running_requests=3, **kw)
 
     def test_dp_attention_without_its_ranks_says_how_to_launch(self):
         # One process, not started by torchrun: no world to join.

@@ -138,6 +138,15 @@ class TestCostTable(CustomTestCase):
         with self.assertRaisesRegex(ValueError, "outside"):
             table.cost(bs=2, budget=5)
 
+    def test_past_the_largest_size_a_step_costs_its_per_request(self):
+        # A larger size measured a little cheaper than a smaller one must not
+        # extrapolate to a free (or negative) step.
+        table = VerifyCostTable(
+            batch_sizes=(1, 2), gamma=1, seconds=((1.0, 1.1), (0.9, 1.0))
+        )
+        self.assertAlmostEqual(table.cost(bs=20, budget=0), 0.9 * 10)
+        self.assertAlmostEqual(table.cost(bs=20, budget=20), 1.0 * 10)
+
     def test_save_load_and_bad_files(self):
         table = _table()
         with tempfile.TemporaryDirectory() as d:
@@ -148,8 +157,9 @@ class TestCostTable(CustomTestCase):
                 f.write("{")
             with self.assertRaisesRegex(ValueError, "unreadable"):
                 VerifyCostTable.load(path)
-        with self.assertRaisesRegex(ValueError, "positive"):
-            VerifyCostTable(batch_sizes=(1,), gamma=1, seconds=((1.0, 0.0),))
+        for bad in (0.0, float("nan"), float("inf")):
+            with self.assertRaisesRegex(ValueError, "positive finite"):
+                VerifyCostTable(batch_sizes=(1,), gamma=1, seconds=((1.0, bad),))
 
     def test_measured_over_every_size_and_budget(self):
         calls = []
@@ -225,6 +235,44 @@ class TestPlanner(CustomTestCase):
         conf = [[0.5, 0.5]] * 2
         plans = [planner.plan(confidence=conf, sampled=[False] * 2) for _ in range(8)]
         self.assertEqual(plans, [0, 0, 0, 2, 0, 0, 0, 2])
+
+    def test_drafting_streaks_step_plain_to_explore(self):
+        # Without a plain step now and then its cost (the scale plans compare
+        # against) would never be measured again.
+        planner = self._planner(_table(per_draft=0.01), explore_every=4)
+        self._know(planner, {9: 0.95})
+        conf = [[0.95, 0.95]] * 2
+        plans = [planner.plan(confidence=conf, sampled=[False] * 2) for _ in range(8)]
+        self.assertEqual(plans, [4, 4, 4, 0, 4, 4, 4, 0])
+
+    def test_one_stalled_step_moves_its_scale_a_tenth_at_most(self):
+        planner = self._planner(_table())
+        planner.observe_cost(bs=2, budget=0, seconds=100 * 2.0)  # a 100x stall
+        self.assertAlmostEqual(planner.step_cost(bs=2, budget=0), 2.0 * 1.1)
+        planner.observe_cost(bs=2, budget=0, seconds=0.0)  # and down: by 5%
+        self.assertAlmostEqual(planner.step_cost(bs=2, budget=0), 2.0 * 1.1 * 0.95)
+
+    def test_the_calibration_follows_a_change(self):
+        # 100% accepted for a long while, then nothing: the bin forgets.
+        planner = self._planner(_table())
+        planner.seen[0][9] = planner.accepted[0][9] = 1e4
+        for _ in range(5000):
+            planner.observe(
+                confidence=[[0.95, 0.95]],
+                sampled=[False],
+                accept_lens=[0],
+                verify_lens=[2],
+            )
+        self.assertLess(planner.calibrate(0.95, False, 0), 0.1)
+
+    def test_a_broken_drafts_confidence_counts_as_zero(self):
+        planner = self._planner(_table())
+        nan, inf = float("nan"), float("inf")
+        planner.observe(
+            confidence=[[nan, inf]], sampled=[True], accept_lens=[1], verify_lens=[2]
+        )
+        self.assertEqual(planner.seen[1][0], 2.0)  # both in bin 0
+        self.assertIn(planner.plan(confidence=[[nan, inf]], sampled=[True]), (0, 1, 2))
 
     def test_a_plan_holds_for_replan_every_steps(self):
         planner = DSparkVerifyPlanner(gamma=2, cost_table=_table(), replan_every=3)

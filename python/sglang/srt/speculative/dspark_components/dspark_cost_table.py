@@ -7,11 +7,15 @@ or read from a file a previous run saved. For each batch size in
 ``batch_sizes`` and each L in 0..gamma the table holds the seconds of a step
 that verifies L drafts per request (budget bs * L); L = 0 is a plain
 decode step (no draft forward). Other sizes and budgets are interpolated
-linearly.
+linearly; past the largest size a step costs that size's per request.
+A saved table names what it was measured for (``measured_for``: the
+engine's configuration, device and threads), and is read only by an
+engine of the same.
 """
 
 import bisect
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,16 +27,20 @@ class VerifyCostTable:
     batch_sizes: Tuple[int, ...]  # ascending
     gamma: int
     seconds: Tuple[Tuple[float, ...], ...]  # [batch size][L = 0..gamma]
+    measured_for: str = ""  # a digest of what it was measured for
 
     def __post_init__(self) -> None:
         sizes = list(self.batch_sizes)
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"batch_sizes must be ascending and >= 1, got {sizes}")
         if len(self.seconds) != len(sizes) or any(
-            len(row) != self.gamma + 1 or min(row) <= 0 for row in self.seconds
+            len(row) != self.gamma + 1
+            or not all(math.isfinite(t) and t > 0 for t in row)
+            for row in self.seconds
         ):
             raise ValueError(
-                f"seconds must hold {self.gamma + 1} positive times per batch size"
+                f"seconds must hold {self.gamma + 1} positive finite times per "
+                f"batch size"
             )
 
     def cost(self, *, bs: int, budget: int) -> float:
@@ -52,10 +60,8 @@ class VerifyCostTable:
             return at(rows[i])
         if i == 0:  # below the smallest size measured: as that size
             return at(rows[0])
-        if i == len(sizes):  # past the largest: the last two sizes' slope
-            if len(sizes) == 1:
-                return at(rows[0]) * bs / sizes[0]
-            i -= 1
+        if i == len(sizes):  # past the largest: its cost per request
+            return at(rows[-1]) * bs / sizes[-1]
         a, b = at(rows[i - 1]), at(rows[i])
         return a + (bs - sizes[i - 1]) * (b - a) / (sizes[i] - sizes[i - 1])
 
@@ -76,6 +82,7 @@ class VerifyCostTable:
                     "batch_sizes": list(self.batch_sizes),
                     "gamma": self.gamma,
                     "seconds": [list(r) for r in self.seconds],
+                    "measured_for": self.measured_for,
                 },
                 f,
                 indent=1,
@@ -90,6 +97,7 @@ class VerifyCostTable:
                 batch_sizes=tuple(int(b) for b in raw["batch_sizes"]),
                 gamma=int(raw["gamma"]),
                 seconds=tuple(tuple(float(t) for t in r) for r in raw["seconds"]),
+                measured_for=str(raw.get("measured_for", "")),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cost table {path!r} is unreadable: {e}") from None
@@ -107,6 +115,7 @@ def measure_cost_table(
     gamma: int,
     repeats: int = 5,
     sync: Callable[[], None] = lambda: None,
+    measured_for: str = "",
 ) -> VerifyCostTable:
     """Time ``run_step`` at every batch size and per-request draft count L
     (budget bs * L): the median of ``repeats`` steps after two warm ones,
@@ -127,5 +136,8 @@ def measure_cost_table(
                 times[i].append(time.perf_counter() - start)
         seconds.append(tuple(statistics.median(t) for t in times))
     return VerifyCostTable(
-        batch_sizes=tuple(batch_sizes), gamma=gamma, seconds=tuple(seconds)
+        batch_sizes=tuple(batch_sizes),
+        gamma=gamma,
+        seconds=tuple(seconds),
+        measured_for=measured_for,
     )

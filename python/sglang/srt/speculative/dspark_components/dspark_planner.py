@@ -13,6 +13,7 @@
   ``ragged_verify_layout`` places the rows: the verify runs only those.
 """
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -224,9 +225,12 @@ class DSparkVerifyPlanner:
     gains) per second of the cost table. The table is measured over dummy
     requests; the steps this planner times (``observe_cost``) scale it, per
     batch size, for plain and for drafting steps apart (the host's own work,
-    the real context). Budget 0 is a plain decode step; after
-    ``explore_every`` of them in a row one step drafts again, so the
-    estimates stay fresh. A plan holds for ``replan_every`` steps of the
+    the real context), each step moving its scale at most a tenth (one
+    stalled step cannot tip the plans). The calibration forgets: its counts
+    decay by ``DECAY`` a step, so a workload that changes is followed.
+    Budget 0 is a plain decode step; after ``explore_every`` plans of one
+    kind in a row (plain, or drafting) one step is of the other, so the
+    estimates of both stay fresh. A plan holds for ``replan_every`` steps of the
     same batch size (planning is host work every step would pay), a plain
     one for one step: the blocks' confidence behind it is spent (the worker
     clears it), and the next plan expects the running acceptance; the step
@@ -236,6 +240,7 @@ class DSparkVerifyPlanner:
 
     BINS = 10
     TIE = 0.02  # rates this close are equal (the cost table's own noise)
+    DECAY = 0.999  # per observed step: the calibration's memory, ~1000 steps
 
     def __init__(
         self,
@@ -260,7 +265,7 @@ class DSparkVerifyPlanner:
         # the calibration's prior, and what a request without a block yet
         # is expected to accept.
         self.position_rate = [0.9] * gamma
-        self._plain_streak = 0
+        self._plain_streak = self._draft_streak = 0
         self._countdown, self._last = 0, (0, 0)  # steps the plan holds; (bs, budget)
         # bs -> [plain steps', drafting steps'] measured / table cost.
         self._scale: dict = {}
@@ -274,12 +279,19 @@ class DSparkVerifyPlanner:
     def observe_cost(self, *, bs: int, budget: int, seconds: float) -> None:
         """A step's measured seconds: the running scale of its kind."""
         scale = self._scale.setdefault(bs, [1.0, 1.0])
+        s = scale[budget > 0]
         ratio = seconds / self.cost_table.cost(bs=bs, budget=budget)
-        scale[budget > 0] += 0.1 * (ratio - scale[budget > 0])
+        scale[budget > 0] += 0.1 * (min(max(ratio, s / 2), 2 * s) - s)
+
+    def _bin(self, raw: float) -> int:
+        """A confidence's bin; a non-finite one (a broken draft) counts as 0."""
+        if not math.isfinite(raw):
+            return 0
+        return min(max(int(raw * self.BINS), 0), self.BINS - 1)
 
     def calibrate(self, raw: float, sampled: bool, position: int) -> float:
         """P(accept | confidence, sampling kind, draft position)."""
-        b = min(int(raw * self.BINS), self.BINS - 1)
+        b = self._bin(raw)
         seen, accepted = self.seen[sampled][b], self.accepted[sampled][b]
         w = self.prior_weight
         return (accepted + w * self.position_rate[position]) / (seen + w)
@@ -346,11 +358,13 @@ class DSparkVerifyPlanner:
         top = max(rates)
         best = bs * max(L for L, r in enumerate(rates) if r >= (1 - self.TIE) * top)
         if best == 0:
-            self._plain_streak += 1
+            self._plain_streak, self._draft_streak = self._plain_streak + 1, 0
             if self._plain_streak >= self.explore_every:
                 self._plain_streak, best = 0, bs  # draft once: fresh estimates
         else:
-            self._plain_streak = 0
+            self._plain_streak, self._draft_streak = 0, self._draft_streak + 1
+            if self._draft_streak >= self.explore_every:
+                self._draft_streak, best = 0, 0  # one plain step: its cost
         self._last = (bs, best)
         self.hold(best)
         return best
@@ -363,15 +377,19 @@ class DSparkVerifyPlanner:
         accept_lens: Sequence[int],
         verify_lens: Sequence[int],
     ) -> None:
-        """Count the drafts this step verified after an accepted prefix."""
+        """Count the drafts this step verified after an accepted prefix (the
+        counts so far decayed by ``DECAY``)."""
+        for counts in (self.seen, self.accepted, self.raw_sum):
+            for row in counts:
+                row[:] = [c * self.DECAY for c in row]
         judged_at, took_at = [0] * self.gamma, [0] * self.gamma
         for raw, kind, a, n in zip(confidence, sampled, accept_lens, verify_lens):
             for k in range(min(a + 1, n)):  # judged: its prefix was accepted
-                b = min(int(raw[k] * self.BINS), self.BINS - 1)
+                b = self._bin(raw[k])
                 took = k < a
                 self.seen[kind][b] += 1
                 self.accepted[kind][b] += took
-                self.raw_sum[kind][b] += raw[k]
+                self.raw_sum[kind][b] += raw[k] if math.isfinite(raw[k]) else 0.0
                 judged_at[k] += 1
                 took_at[k] += took
         for k, n in enumerate(judged_at):

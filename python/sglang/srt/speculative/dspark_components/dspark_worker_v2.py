@@ -47,7 +47,11 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from sglang.srt.distributed.parallel_state import all_gather_ints, get_moe_ep_cpu_group
+from sglang.srt.distributed.parallel_state import (
+    all_gather_ints,
+    digest_of,
+    get_moe_ep_cpu_group,
+)
 from sglang.srt.layers.sampler import (
     NO_EXTRAS,
     SamplingExtras,
@@ -230,12 +234,36 @@ class DSparkWorker:
                 raise ValueError(
                     f"cost table {path!r} is for gamma {table.gamma}, not {self.gamma}"
                 )
+            if table.measured_for != digest_of(self._cost_key()).hex():
+                raise ValueError(
+                    f"cost table {path!r} was measured for another configuration "
+                    f"(model, device, threads, batch sizes or parallel layout): "
+                    f"remove it to measure this one"
+                )
         else:
             table = self._measure_cost_table()
             if path is not None:
                 table.save(path)
         logger.info("%s", table.format())
         return table
+
+    def _cost_key(self) -> tuple:
+        """What a cost table depends on: the step's shapes, the machine's
+        threads, graphs and the parallel layout."""
+        parallel = get_parallel()
+        return (
+            self.config,
+            torch.device(self.device).type,
+            torch.get_num_threads(),
+            tuple(self.graph_runner.buckets),
+            self.graph_runner.use_cuda_graph,
+            self.max_batch_size,
+            repr(self.target_worker.model.config),
+            repr(self.draft_model.config),
+            parallel.moe_ep_size,
+            parallel.attn_dp_size,
+            parallel.moe_a2a_backend,
+        )
 
     def _measure_cost_table(self) -> VerifyCostTable:
         """Time this worker's device step over dummy requests (a context of
@@ -292,19 +320,7 @@ class DSparkWorker:
                 max_kv_len=context + self.gamma,
             )
 
-        key = (
-            self.config,
-            torch.device(self.device).type,
-            torch.get_num_threads(),
-            tuple(self.graph_runner.buckets),
-            self.graph_runner.use_cuda_graph,
-            tuple(sizes),
-            repr(self.target_worker.model.config),
-            repr(self.draft_model.config),
-            parallel.moe_ep_size,
-            parallel.attn_dp_size,
-            parallel.moe_a2a_backend,
-        )
+        key = self._cost_key()
         table = MEASURED.get(key)
         if table is None:
             with torch.no_grad():
@@ -313,6 +329,7 @@ class DSparkWorker:
                     batch_sizes=sizes,
                     gamma=self.gamma,
                     sync=torch.cuda.synchronize if cuda else (lambda: None),
+                    measured_for=digest_of(key).hex(),
                 )
             state.reset()
             MEASURED[key] = table
