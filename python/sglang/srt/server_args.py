@@ -260,6 +260,12 @@ class ServerArgs:
                 f"speculative_dspark_sps_table_path must be a non-empty str, got "
                 f"{table!r}"
             )
+        if table is not None and self.speculative_verify_budget != "auto":
+            raise ValueError(
+                f"speculative_dspark_sps_table_path is the cost table "
+                f"speculative_verify_budget='auto' plans with; got budget "
+                f"{self.speculative_verify_budget!r}, which would ignore it"
+            )
         if table is not None and not os.path.exists(table):
             # Measured at start-up and saved there: its folder must exist.
             folder = os.path.dirname(os.path.abspath(table))

@@ -184,6 +184,12 @@ class TestServerArgsValidation(CustomTestCase):
                         speculative_algorithm="DSPARK",
                         speculative_dspark_sps_table_path=bad,
                     )
+        with self.assertRaisesRegex(ValueError, "which would ignore it"):
+            ServerArgs(
+                speculative_algorithm="DSPARK",
+                speculative_verify_budget="off",
+                speculative_dspark_sps_table_path="table.json",
+            )
         with tempfile.TemporaryDirectory() as d:
             kw = dict(
                 speculative_algorithm="DSPARK",
