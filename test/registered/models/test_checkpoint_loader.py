@@ -192,12 +192,17 @@ class TestCheckpointLoader(CustomTestCase):
                 self._edit_config(path, **changes)
                 self._assert_load_error(path, *needles, CONFIG_NAME, draft=draft)
 
-    def test_unexpected_tensors(self):
-        path = self._copy(self.bundle)
+    def _with_tensor(self, src: str, name: str) -> str:
+        """A copy of checkpoint ``src`` with one more tensor, ``name``."""
+        path = self._copy(src)
         file = os.path.join(path, WEIGHTS_NAME)
         tensors = load_file(file)
-        tensors["layers.9.extra"] = torch.zeros(2, dtype=torch.bfloat16)
+        tensors[name] = torch.zeros(2, dtype=torch.bfloat16)
         save_file(tensors, file)
+        return path
+
+    def test_unexpected_tensors(self):
+        path = self._with_tensor(self.bundle, "layers.9.extra")
         self._assert_load_error(
             path, WEIGHTS_NAME, "unexpected tensor 'layers.9.extra'"
         )
@@ -209,11 +214,7 @@ class TestCheckpointLoader(CustomTestCase):
         )
         self._assert_load_error(path, WEIGHTS_NAME, "unexpected tensor 'dspark.")
         # Anything but the draft's own tensors in a draft-only checkpoint.
-        path = self._copy(self.draft_dir)
-        file = os.path.join(path, WEIGHTS_NAME)
-        tensors = load_file(file)
-        tensors["embed_tokens.weight"] = torch.zeros(2, dtype=torch.bfloat16)
-        save_file(tensors, file)
+        path = self._with_tensor(self.draft_dir, "embed_tokens.weight")
         self._assert_load_error(
             path, WEIGHTS_NAME, "unexpected tensor 'embed_tokens.weight'", draft=True
         )

@@ -229,21 +229,21 @@ class TestPlanner(CustomTestCase):
         self.assertEqual(planner.position_rate, [0.9, 0.9])  # optimistic
         self.assertEqual(planner.plan(confidence=[None], sampled=[True]), 2)
 
-    def test_plain_streaks_draft_again_to_explore(self):
-        planner = self._planner(_table(per_draft=2.0), explore_every=4)
-        self._know(planner, {5: 0.5})
-        conf = [[0.5, 0.5]] * 2
-        plans = [planner.plan(confidence=conf, sampled=[False] * 2) for _ in range(8)]
-        self.assertEqual(plans, [0, 0, 0, 2, 0, 0, 0, 2])
-
-    def test_drafting_streaks_step_plain_to_explore(self):
-        # Without a plain step now and then its cost (the scale plans compare
-        # against) would never be measured again.
-        planner = self._planner(_table(per_draft=0.01), explore_every=4)
-        self._know(planner, {9: 0.95})
-        conf = [[0.95, 0.95]] * 2
-        plans = [planner.plan(confidence=conf, sampled=[False] * 2) for _ in range(8)]
-        self.assertEqual(plans, [4, 4, 4, 0, 4, 4, 4, 0])
+    def test_streaks_of_one_kind_explore_the_other(self):
+        # Plain streaks draft once, drafting streaks step plain once: else
+        # the other kind's cost and acceptance would never be measured again.
+        for per_draft, b, rate, plans in (
+            (2.0, 5, 0.5, [0, 0, 0, 2, 0, 0, 0, 2]),
+            (0.01, 9, 0.95, [4, 4, 4, 0, 4, 4, 4, 0]),
+        ):
+            with self.subTest(plans=plans):
+                planner = self._planner(_table(per_draft=per_draft), explore_every=4)
+                self._know(planner, {b: rate})
+                conf = [[rate, rate]] * 2
+                got = [
+                    planner.plan(confidence=conf, sampled=[False] * 2) for _ in range(8)
+                ]
+                self.assertEqual(got, plans)
 
     def test_one_stalled_step_moves_its_scale_a_tenth_at_most(self):
         planner = self._planner(_table())
