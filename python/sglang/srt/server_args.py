@@ -18,11 +18,13 @@ import numpy as np
 import torch
 
 from sglang.srt.arg_groups.speculative_hook import _handle_dspark
+from sglang.srt.managers.tp_worker import DecodeBuffers
 from sglang.srt.mem_cache.memory_pool import (
     KVPool,
     ReqToTokenPool,
     available_memory_bytes,
 )
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.registry import (
     DEFAULT_MODEL_PATH,
     get_draft_config,
@@ -30,6 +32,8 @@ from sglang.srt.models.registry import (
 )
 from sglang.srt.models.tiny_moe import TinyMoEConfig
 from sglang.srt.runtime_context import MOE_A2A_BACKENDS
+from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
+from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
 KV_CACHE_DTYPE = torch.float32
@@ -231,9 +235,6 @@ class ServerArgs:
             raise ValueError(f"model_path must be a str, got {self.model_path!r}")
         return get_target_preset(self.model_path).config
 
-    def _draft_num_layers(self) -> int:
-        return get_draft_config(self.speculative_draft_model_path).num_layers
-
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
         if algo not in SPECULATIVE_ALGORITHMS:
@@ -312,21 +313,49 @@ class ServerArgs:
         self.cuda_graph_bs = sorted({int(b) for b in bs})
 
     def static_memory_bytes(self) -> dict:
-        """Bytes the engine's pools will take: target and draft KV, and the
-        request -> token table (the per-step buffers are small beside them)."""
+        """Bytes the engine's pools and buffers will take: target and draft
+        KV, the request -> token table, and the decode step's buffer arena
+        (for DSpark about 58 x max_running_requests x vocab floats: its
+        per-slot logits, noise and acceptance), built on the meta device."""
         target_config = self._resolve_model()
         num_layers = target_config.num_layers
         stash = 0
+        meta = ModelRunner(
+            forward=None,
+            req_to_token_pool=None,
+            token_to_kv_pool=None,
+            device=torch.device("meta"),
+        )
         if self.speculative_algorithm == "DSPARK":
-            num_layers += self._draft_num_layers()
+            draft_config = get_draft_config(self.speculative_draft_model_path)
+            num_layers += draft_config.num_layers
+            config = DSparkConfig.from_models(
+                draft=draft_config,
+                target=target_config,
+                gamma=self.speculative_dspark_block_size,
+            )
+            arena = DSparkStepBuffers(
+                max_batch_size=self.max_running_requests,
+                gamma=config.gamma,
+                vocab_size=config.vocab_size,
+                markov_rank=config.markov_rank,
+                mask_token_id=config.mask_token_id,
+                target_runner=meta,
+                draft_runner=meta,
+                query_shape=(target_config.num_heads, target_config.head_dim),
+            )
             if self.speculative_verify_budget != "off":
                 # The target hidden states of plain steps, per KV slot.
-                width = len(
-                    get_draft_config(self.speculative_draft_model_path).target_layer_ids
-                )
+                width = len(config.target_layer_ids)
                 stash = (
                     (self.max_total_tokens + 1) * width * target_config.hidden_size * 4
                 )
+        else:
+            arena = DecodeBuffers(
+                max_batch_size=self.max_running_requests,
+                vocab_size=target_config.vocab_size,
+                model_runner=meta,
+            )
         sizes = {
             "kv_pools": KVPool.nbytes_for(
                 num_layers=num_layers,
@@ -342,6 +371,7 @@ class ServerArgs:
         }
         if stash:
             sizes["draft_context_stash"] = stash
+        sizes["step_buffers"] = arena.nbytes()
         return sizes
 
     def _check_memory(self) -> None:

@@ -6,14 +6,20 @@ chosen algorithm would ignore are refused."""
 import os
 import tempfile
 import unittest
+import weakref
 from unittest import mock
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from sglang import Engine
+from sglang.srt.managers.tp_worker import DecodeBuffers
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_cost_table import VerifyCostTable
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, cuda_available
@@ -241,8 +247,48 @@ class TestMemorySizing(CustomTestCase):
                 if algo is not None:  # the verify budget's stash of plain steps
                     stash = engine.worker.context_stash
                     allocated["draft_context_stash"] = stash.nbytes
+                allocated["step_buffers"] = engine.worker.buffers.nbytes()
                 estimate = engine.server_args.static_memory_bytes()
                 self.assertEqual(estimate, allocated)
+
+    def test_arena_bytes_are_what_its_constructor_leaves_allocated(self):
+        # Every tensor made while an arena is built and still alive after
+        # it, each storage once: what nbytes() must find through its
+        # attributes (a buffer it missed would make the estimate short).
+        runner = ModelRunner(
+            forward=None, req_to_token_pool=None, token_to_kv_pool=None, device="cpu"
+        )
+        builds = {
+            "plain": lambda: DecodeBuffers(
+                max_batch_size=3, vocab_size=256, model_runner=runner
+            ),
+            "dspark": lambda: DSparkStepBuffers(
+                max_batch_size=3,
+                gamma=5,
+                vocab_size=256,
+                markov_rank=16,
+                mask_token_id=1,
+                target_runner=runner,
+                draft_runner=runner,
+                query_shape=(4, 16),
+            ),
+        }
+        for name, build in builds.items():
+            with self.subTest(name), _MadeTensors() as made:
+                arena = build()
+            live = {}
+            for ref in made.refs:
+                t = ref()
+                if t is not None:
+                    live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            self.assertGreater(len(live), 10)
+            self.assertEqual(arena.nbytes(), sum(live.values()))
+        # DSpark's arena grows as max_running_requests x vocab (its per-slot
+        # logits, noise and acceptance): at 64 requests, 58 floats each.
+        args = ServerArgs(speculative_algorithm="DSPARK", max_running_requests=64)
+        vocab = args._resolve_model().vocab_size
+        per_cell = args.static_memory_bytes()["step_buffers"] / (64 * vocab * 4)
+        self.assertTrue(58 <= per_cell < 59, per_cell)
 
     def test_a_config_that_cannot_fit_is_refused_before_allocating(self):
         # 2**40 KV slots need petabytes: refused by the up-front estimate.
@@ -257,6 +303,21 @@ class TestMemorySizing(CustomTestCase):
         with self.assertRaisesRegex(ValueError, "mem_fraction_static=1e-12"):
             ServerArgs(mem_fraction_static=1e-12)
         ServerArgs()
+
+
+class _MadeTensors(TorchDispatchMode):
+    """Weak references to every tensor an op makes inside the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
 
 
 if __name__ == "__main__":

@@ -8,9 +8,17 @@ all read their slices from it. ``cached(key, make)`` keeps other views made
 once per key in the same cache (a ragged verify batch per size and token
 count). Because the views keep their addresses, a CUDA graph captured over
 ``at(bucket)`` reads whatever a step writes there.
+
+``nbytes()`` is what the arena holds; built on the ``meta`` device (runners
+whose device is meta) it says so before anything is allocated, which is how
+``ServerArgs.static_memory_bytes`` sizes it.
 """
 
 from typing import Any, Callable, Dict, Generic, Hashable, TypeVar
+
+import torch
+
+from sglang.srt.model_executor.model_runner import ModelRunner
 
 V = TypeVar("V")
 
@@ -41,6 +49,33 @@ class StepBuffers(Generic[V]):
         if views is None:
             views = self._views[key] = make()
         return views
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors the arena owns, each storage once: those its
+        attributes reach, through nested buffers and dataclasses; not the
+        views cut from them, nor a runner's model or pools."""
+        storages: Dict[int, torch.UntypedStorage] = {}
+        seen = set()
+
+        def walk(value: Any) -> None:
+            if id(value) in seen:
+                return
+            seen.add(id(value))
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()  # one object per storage
+                storages[id(storage)] = storage
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    walk(item)
+            elif hasattr(value, "__dict__") and not isinstance(
+                value, (ModelRunner, torch.nn.Module)
+            ):
+                for item in vars(value).values():
+                    walk(item)
+
+        seen.add(id(self._views))
+        walk(self)
+        return sum(s.nbytes() for s in storages.values())
 
     def _cut(self, bs: int) -> V:
         raise NotImplementedError
