@@ -16,8 +16,11 @@ registered and has an ``if __name__ == "__main__":`` entry.
 Each file runs in its own subprocess as ``python3 registered/<path>`` from test/,
 with a limit of ``--timeout-per-file`` seconds. The run stops at the first
 failing file (the rest are reported as not run) unless ``--continue-on-error``
-is given. A summary follows the per-file lines; the last line is
-"N passed, N failed". Exit status: 0 all passed, 1 a file failed or was not
+is given. A file whose every test skipped itself (unittest's "OK
+(skipped=N)" for all it ran: a CUDA test on a machine without a GPU) is
+SKIPPED, not PASSED. A summary follows the per-file lines; the last line is
+"N passed, N failed" (the skipped files are counted on the line before it,
+in neither). Exit status: 0 all passed, 1 a file failed or was not
 run, 2 a usage error, an unknown suite or a malformed registration.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -82,6 +86,16 @@ def run_file(path: str, timeout: float) -> tuple[bool, float, str]:
     return ok, time.monotonic() - start, output
 
 
+_RAN = re.compile(r"^Ran (\d+) tests? in ", re.M)
+_SKIPPED = re.compile(r"^OK \((?:.*, )?skipped=(\d+)", re.M)
+
+
+def skip_counts(output: str) -> tuple[int, int]:
+    """(tests run, tests skipped) by a passing unittest file's summaries."""
+    ran = sum(map(int, _RAN.findall(output)))
+    return ran, sum(map(int, _SKIPPED.findall(output)))
+
+
 def tail(output: str, lines: int = TAIL_LINES) -> str:
     return "\n".join("    " + line for line in output.splitlines()[-lines:])
 
@@ -98,9 +112,11 @@ def run_suite(
     results: list[tuple[str, str, float]] = []  # (status, file, seconds)
     for i, reg in enumerate(selected, 1):
         ok, seconds, output = run_file(reg.filename, timeout)
-        status = "PASSED" if ok else "FAILED"
+        ran, skips = skip_counts(output) if ok else (0, 0)
+        status = "FAILED" if not ok else "SKIPPED" if ran and skips == ran else "PASSED"
         results.append((status, reg.filename, seconds))
-        print(f"[{i}/{len(selected)}] {status} {reg.filename} ({seconds:.1f}s)")
+        note = f", {skips} of {ran} tests skipped" if skips else ""
+        print(f"[{i}/{len(selected)}] {status} {reg.filename} ({seconds:.1f}s{note})")
         if not ok:
             print(tail(output))
         sys.stdout.flush()
@@ -108,7 +124,8 @@ def run_suite(
             break
     not_run = [reg.filename for reg in selected[len(results) :]]
     passed = sum(status == "PASSED" for status, _, _ in results)
-    failed = len(results) - passed
+    skipped = sum(status == "SKIPPED" for status, _, _ in results)
+    failed = len(results) - passed - skipped
     total = sum(seconds for _, _, seconds in results)
     print(f"== summary: {label}: {len(selected)} files, {total:.1f}s ==")
     for status, filename, seconds in results:
@@ -120,6 +137,8 @@ def run_suite(
             f"{len(not_run)} not run: stopped at the first failure "
             "(--continue-on-error runs every file)"
         )
+    if skipped:
+        print(f"{skipped} skipped: every test in the file skipped itself")
     print(f"{passed} passed, {failed} failed", flush=True)
     return 0 if failed == 0 else 1
 

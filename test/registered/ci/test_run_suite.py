@@ -121,6 +121,45 @@ class TestRunSuite(CustomTestCase):
         self.assertTrue(self.ran("ran_gpu"))
         self.assertFalse(self.ran("ran_cuda_a") or self.ran("ran_pass"))
 
+    def test_a_file_that_skipped_every_test_is_not_passed(self) -> None:
+        # unittest files: one skips its only test (a CUDA test without a
+        # GPU), one skips one of two (it ran something: passed).
+        def unittest_file(skips: int, runs: int) -> str:
+            tests = [
+                f"def test_skip_{i}(self): self.skipTest('no GPU')"
+                for i in range(skips)
+            ]
+            tests += [f"def test_run_{i}(self): pass" for i in range(runs)]
+            return (
+                textwrap.dedent(
+                    """\
+                import unittest
+                from sglang.test.ci.ci_register import register_cpu_ci
+                register_cpu_ci(1, 'skips')
+                class T(unittest.TestCase):
+                """
+                )
+                + "".join(f"    {t}\n" for t in tests)
+                + ("if __name__ == '__main__':\n    unittest.main()\n")
+            )
+
+        self.write("test_all_skip.py", unittest_file(skips=1, runs=0))
+        self.write("test_some_skip.py", unittest_file(skips=1, runs=1))
+        proc = self.run_suite("--hw", "cpu", "--suite", "skips")
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        lines = proc.stdout.splitlines()
+        self.assertRegex(
+            lines[0], r"^\[1/2\] SKIPPED registered/test_all_skip.py \(.*s, 1 of 1 "
+        )
+        self.assertRegex(
+            lines[1], r"^\[2/2\] PASSED registered/test_some_skip.py \(.*s, 1 of 2 "
+        )
+        self.assertRegex(lines[-4], r"^  SKIPPED  registered/test_all_skip.py \(")
+        self.assertEqual(
+            lines[-2:],
+            ["1 skipped: every test in the file skipped itself", "1 passed, 0 failed"],
+        )
+
     def test_unknown_suite_for_that_hw_lists_known_ones(self) -> None:
         proc = self.run_suite("--hw", "cpu", "--suite", "nope")
         self.assertEqual(proc.returncode, 2)
