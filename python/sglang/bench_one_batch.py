@@ -129,22 +129,20 @@ def _lockstep_round(
         turn = {}
         for name in order:
             scheduler = engines[name].scheduler
-            n = len(scheduler.decode_step_times)
-            for _ in range(block_steps):
-                if not scheduler.has_work():
-                    break
-                committed = _committed(reqs[name])
-                scheduler.step()
-                bar.update(_committed(reqs[name]) - committed)
-            if len(scheduler.decode_step_times) > n:
-                turn[name] = scheduler.decode_step_times[n:]
+            with scheduler.record_step_times() as block:
+                for _ in range(block_steps):
+                    if not scheduler.has_work():
+                        break
+                    committed = _committed(reqs[name])
+                    scheduler.step()
+                    bar.update(_committed(reqs[name]) - committed)
+            if block:
+                turn[name] = block
         for name, block in turn.items():
             times[name] += block
         if len(turn) == len(engines):
             pairs.append(tuple(statistics.fmean(turn[name]) for name in ENGINES))
         order.reverse()  # neither engine always runs right after the other
-    for e in engines.values():
-        e.scheduler.decode_step_times.clear()
     return reqs, times, pairs
 
 
@@ -195,7 +193,6 @@ def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
     finally:
         spans.hook = None
         scheduler.abort_requests(reqs)
-        scheduler.decode_step_times.clear()
     keys = (
         "ops_per_step",
         "allocs_per_step",

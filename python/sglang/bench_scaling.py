@@ -34,7 +34,7 @@ over their op count. For a GPU give all three as flags; nothing is measured.
 
 Measured: for the configs that run here, plain and DSpark decode steps in
 lockstep blocks (``--block-steps`` steps of one engine, then of the other,
-the order alternating), timed by the scheduler (``decode_step_times``), at
+the order alternating), timed by the scheduler (``Scheduler.record_step_times``), at
 each batch size and context (prompts of that many random tokens); each block
 is projected at the contexts it ran, and projected / measured is a ratio of
 means with its 95% interval (``bench_stats.mean_ratio``). Also printed: the
@@ -876,7 +876,6 @@ def running(engine: Engine, prompts, *, max_new_tokens: int) -> Iterator[List[Re
         yield reqs
     finally:
         sched.abort_requests(reqs)
-        sched.decode_step_times.clear()
 
 
 def steady_step(engine: Engine, bs: int) -> None:
@@ -913,10 +912,10 @@ def time_steps(pair: EnginePair, *, bs: int, steps: int, seed: int) -> Dict[str,
     out = {}
     for name, engine in pair.engines.items():
         with running(engine, prompts, max_new_tokens=pair.new_tokens(steps + 2)):
-            engine.scheduler.decode_step_times.clear()
-            for _ in range(steps):
-                steady_step(engine, bs)
-            out[name] = statistics.median(engine.scheduler.decode_step_times)
+            with engine.scheduler.record_step_times() as times:
+                for _ in range(steps):
+                    steady_step(engine, bs)
+            out[name] = statistics.median(times)
     return out
 
 
@@ -971,15 +970,14 @@ def measure_point(
         for name, engine in pair.engines.items():
             for _ in range(WARM_STEPS):
                 steady_step(engine, bs)
-            engine.scheduler.decode_step_times.clear()
         order = list(ENGINES)
         for _ in range(turns):
             for name in order:
                 engine, seqs = pair.engines[name], []
-                for _ in range(block_steps):
-                    seqs.append(max(r.seq_len for r in reqs[name]))
-                    steady_step(engine, bs)
-                times = engine.scheduler.decode_step_times[-block_steps:]
+                with engine.scheduler.record_step_times() as times:
+                    for _ in range(block_steps):
+                        seqs.append(max(r.seq_len for r in reqs[name]))
+                        steady_step(engine, bs)
                 blocks[name].append((statistics.fmean(times), statistics.fmean(seqs)))
             order.reverse()  # neither engine always runs right after the other
         for name, engine in pair.engines.items():

@@ -158,12 +158,10 @@ class TestBadRequests(CustomTestCase):
             self.engine.generate(input_ids=[1, 2, 3])
         with self.assertRaisesRegex(ValueError, "2 sampling_params for 3 requests"):
             self.engine.generate(input_ids=GOOD, sampling_params=[PARAMS, PARAMS])
-        steps = len(self.engine.scheduler.decode_step_times)
+        steps = self.engine.scheduler.num_decode_steps
         with self.assertRaisesRegex(ValueError, "progress must be callable, got 5"):
             self.engine.generate(input_ids=GOOD, sampling_params=PARAMS, progress=5)
-        self.assertEqual(
-            len(self.engine.scheduler.decode_step_times), steps
-        )  # none ran
+        self.assertEqual(self.engine.scheduler.num_decode_steps, steps)  # none ran
         self._assert_pools_whole()
 
     def test_rejected_mid_flight_leaves_running_requests_alone(self):

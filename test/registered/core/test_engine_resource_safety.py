@@ -236,6 +236,28 @@ class TestPoolsRefuseMisuse(CustomTestCase):
         self.assertEqual(rows.available(), 2)
 
 
+class TestStepTimes(EngineCase):
+    def test_times_are_kept_only_while_recorded(self):
+        # A long-lived engine keeps a count of its decode steps, not a list
+        # of their times; a recording gets each step taken inside it.
+        for _, engine in self.each_engine():
+            sched = engine.scheduler
+            before = sched.num_decode_steps
+            self._outputs(engine)
+            unrecorded = sched.num_decode_steps - before
+            self.assertGreater(unrecorded, 0)
+            with sched.record_step_times() as times:
+                self._outputs(engine)
+                with sched.record_step_times() as inner:  # nested: both get it
+                    self._outputs(engine)
+            self.assertEqual(len(inner), unrecorded)
+            self.assertEqual(len(times), 2 * unrecorded)
+            self.assertEqual(times[unrecorded:], inner)
+            self.assertTrue(all(t > 0 for t in times))
+            self.assertEqual(sched.num_decode_steps - before, 3 * unrecorded)
+            self.assertEqual(sched._step_times, [])  # nothing kept after
+
+
 class TestNoSilentSpin(EngineCase):
     def test_missing_row_or_slots_is_an_error_naming_them(self):
         for algo, engine in self.each_engine():

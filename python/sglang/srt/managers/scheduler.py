@@ -27,10 +27,11 @@ until a step's sync finds all of them done. A collective that fails (a
 rank raised, died or stalled past the timeout) raises on every rank.
 """
 
+import contextlib
 import logging
 import time
 from collections import deque
-from typing import Deque, Iterable, List, Optional, Protocol
+from typing import Deque, Iterable, Iterator, List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -93,7 +94,8 @@ class Scheduler:
         self.running: List[Req] = []
         self._admitting: List[Req] = []  # popped from waiting, not yet running
         self._batch: Optional[ScheduleBatch] = None
-        self.decode_step_times: List[float] = []
+        self.num_decode_steps = 0
+        self._step_times: List[List[float]] = []  # open record_step_times()
         # Data-parallel attention: the CPU group the ranks sync steps on; the
         # most requests a step admits (the sync's fixed width).
         # Accepted drafts of the last drafting request-steps (draft health).
@@ -103,6 +105,20 @@ class Scheduler:
         self._dp_max_admit = max_running_requests
         self._dp_busy = False  # some rank had work at the last sync
         self.num_dp_steps = 0
+
+    @contextlib.contextmanager
+    def record_step_times(self) -> Iterator[List[float]]:
+        """The seconds of each decode step taken inside (the worker's step,
+        synchronized on CUDA), appended to the yielded list: how benches
+        time steps (recordings may nest; each gets every step inside it).
+        Outside them the scheduler keeps only the count
+        (``num_decode_steps``): a long-lived engine grows nothing."""
+        times: List[float] = []
+        self._step_times.append(times)
+        try:
+            yield times
+        finally:
+            self._step_times.remove(times)
 
     def kv_need(self, req: Req) -> int:
         """Slots a request may touch: prompt, outputs but the last (it never
@@ -316,7 +332,11 @@ class Scheduler:
             return []
         if batch.seq_lens.is_cuda:
             torch.cuda.synchronize()
-        self.decode_step_times.append(time.perf_counter() - start)
+        self.num_decode_steps += 1
+        if self._step_times:
+            seconds = time.perf_counter() - start
+            for times in self._step_times:
+                times.append(seconds)
         verified = out.verified_drafts or [0] * len(self.running)
         logprobs = out.logprobs or [None] * len(self.running)
         for req, ids, accepted, checked, lps in zip(

@@ -110,7 +110,7 @@ def _run(name: str, world: int) -> dict:
         "outputs": [o["output_ids"] for o in out],
         "ids": [o["meta_info"]["id"] for o in out],
         "steps": engine.scheduler.num_dp_steps,
-        "decode_steps": len(engine.scheduler.decode_step_times),
+        "decode_steps": engine.scheduler.num_decode_steps,
         "stats": {mode: dict(c) for mode, c in stats.items()},
         "copies": dict(copies),
         "hidden_size": _target(engine).config.hidden_size,
