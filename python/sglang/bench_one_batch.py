@@ -21,9 +21,11 @@ Printed per temperature and batch size: each engine's decode tokens/s and
 mean step time; the DSpark/plain step-cost ratio, the geometric mean of
 the turns' ratios of mean block step times, with its 95% confidence
 interval (a t-interval on the log ratios); the speedup, DSpark's decode
-tokens per step over plain's (this run's counts) divided by the ratio of
-the paired blocks' mean step costs (what throughput follows), with that
-ratio's 95% interval (delta method) carried over; DSpark's mean accepted
+tokens per step over plain's divided by the ratio of the blocks' mean step
+costs (what throughput follows), both over the turns in which both engines
+decoded, with a 95% interval (delta method, ``bench_stats.mean_product``)
+that carries the spread of the tokens each block committed (random under
+sampling) as well as of the step times; DSpark's mean accepted
 length (accepted drafts + 1 per verify step); each engine's mean requests
 per decode step (below the batch size while a round's last requests
 drain); and whether DSpark's greedy output equals plain greedy output
@@ -68,7 +70,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from sglang import bench_plots
-from sglang.bench_stats import geometric_mean_ratio, mean_ratio
+from sglang.bench_stats import geometric_mean_ratio, mean_product, mean_ratio
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -114,13 +116,18 @@ def _submit(engine: Engine, prompts, params: Dict) -> List[Req]:
     return reqs
 
 
+# One engine's block of a turn: decode tokens committed, decode steps, and
+# their mean seconds.
+Block = Tuple[int, int, float]
+
+
 def _lockstep_round(
     engines: Dict[str, Engine], prompts, params: Dict, bar, block_steps: int = 1
-) -> Tuple[Dict[str, List[Req]], Dict[str, List[float]], List[Tuple[float, float]]]:
+) -> Tuple[Dict[str, List[Req]], Dict[str, List[float]], List[Tuple[Block, Block]]]:
     """One round: the same prompts on every engine, advanced ``block_steps``
     steps at a time in turn. Returns the requests, each engine's decode step
     times, and per turn where both decoded the (plain, dspark) pair of their
-    mean decode step times over the turn's block."""
+    blocks (``Block``)."""
     reqs = {name: _submit(e, prompts, params) for name, e in engines.items()}
     times: Dict[str, List[float]] = {name: [] for name in engines}
     pairs = []
@@ -129,6 +136,7 @@ def _lockstep_round(
         turn = {}
         for name in order:
             scheduler = engines[name].scheduler
+            decoded = _decode_tokens(reqs[name])
             with scheduler.record_step_times() as block:
                 for _ in range(block_steps):
                     if not scheduler.has_work():
@@ -137,17 +145,22 @@ def _lockstep_round(
                     scheduler.step()
                     bar.update(_committed(reqs[name]) - committed)
             if block:
-                turn[name] = block
-        for name, block in turn.items():
-            times[name] += block
+                tokens = _decode_tokens(reqs[name]) - decoded
+                turn[name] = (tokens, len(block), statistics.fmean(block))
+                times[name] += block
         if len(turn) == len(engines):
-            pairs.append(tuple(statistics.fmean(turn[name]) for name in ENGINES))
+            pairs.append(tuple(turn[name] for name in ENGINES))
         order.reverse()  # neither engine always runs right after the other
     return reqs, times, pairs
 
 
 def _committed(reqs: List[Req]) -> int:
     return sum(len(r.output_ids) for r in reqs)
+
+
+def _decode_tokens(reqs: List[Req]) -> int:
+    """Tokens decode steps committed: a request's first comes from prefill."""
+    return sum(max(len(r.output_ids) - 1, 0) for r in reqs)
 
 
 def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
@@ -312,7 +325,7 @@ def run(
         outputs = {name: [] for name in ENGINES}
         times = {name: [] for name in ENGINES}
         all_reqs = {name: [] for name in ENGINES}
-        pairs: List[Tuple[float, float]] = []
+        pairs: List[Tuple[Block, Block]] = []
         total = args.repeats * len(ENGINES) * num * args.output_len
         with tqdm(
             total=total,
@@ -346,37 +359,44 @@ def run(
             "dp_size": dp,  # the figures are rank 0's
             "moe_a2a_backend": plain.server_args.moe_a2a_backend,
         }
-        tokens_per_step = {}
         for name in ENGINES:
             # The first token of each request comes from prefill, not a decode step.
             decode_tokens = sum(len(r.output_ids) - 1 for r in all_reqs[name])
             row[f"{name}_decode_steps"] = len(times[name])
             row[f"{name}_mean_step_ms"] = 1e3 * statistics.fmean(times[name])
             row[f"{name}_tokens_per_s"] = decode_tokens / sum(times[name])
-            tokens_per_step[name] = decode_tokens / len(times[name])
             # Requests decoding per step: below the batch size while a round's
             # last requests drain (DSpark's finish at different steps).
             row_steps = sum(r.spec_verify_ct for r in all_reqs[name])
             row[f"{name}_rows_per_step"] = row_steps / len(times[name])
-        ratio, lo, hi = geometric_mean_ratio(pairs)
-        # Speedup = (tokens per step, this run's counts) / (mean step cost of
-        # DSpark over plain's, on the paired steps: both timed under the same
-        # conditions). Its interval is the step times' only.
-        gain = tokens_per_step["dspark"] / tokens_per_step["plain"]
-        cost_ratio, mean_lo, mean_hi = mean_ratio(pairs)
+        # Over the turns both engines decoded (paired blocks, timed under the
+        # same conditions): the step cost ratio, DSpark's mean step time over
+        # plain's, and the speedup, the tokens-per-step ratio over it. The
+        # speedup's interval carries both: under sampling the tokens a block
+        # commits are random too.
+        step_pairs = [(p[2], d[2]) for p, d in pairs]
+        ratio, lo, hi = geometric_mean_ratio(step_pairs)
+        cost_ratio = mean_ratio(step_pairs)[0]
+        (tok_p, n_p, t_p), (tok_d, n_d, t_d) = (list(zip(*c)) for c in zip(*pairs))
+        gain = (sum(tok_d) / sum(n_d)) / (sum(tok_p) / sum(n_p))
+        speedup, s_lo, s_hi = mean_product(
+            [tok_d, n_d, tok_p, n_p, t_d, t_p], [1, -1, -1, 1, -1, 1]
+        )
         verify_ct = sum(r.spec_verify_ct for r in all_reqs["dspark"])
         accepted = sum(r.spec_accepted_drafts for r in all_reqs["dspark"])
         verified = sum(r.spec_verified_drafts for r in all_reqs["dspark"])
         row.update(
             step_pairs=len(pairs),
+            plain_paired_decode_tokens=sum(tok_p),
+            plain_paired_decode_steps=sum(n_p),
+            dspark_paired_decode_tokens=sum(tok_d),
+            dspark_paired_decode_steps=sum(n_d),
             step_cost_ratio=ratio,
             step_cost_ratio_ci95=[lo, hi],
             step_cost_mean_ratio=cost_ratio,
             tokens_per_step_ratio=gain,
-            speedup=gain / cost_ratio,
-            speedup_ci95=(
-                [None, None] if mean_lo is None else [gain / mean_hi, gain / mean_lo]
-            ),
+            speedup=speedup,
+            speedup_ci95=[s_lo, s_hi],
             tokens_per_s_ratio=row["dspark_tokens_per_s"] / row["plain_tokens_per_s"],
             # Committed tokens per verify step, before truncation at max_new_tokens.
             accept_length=(verify_ct + accepted) / verify_ct,

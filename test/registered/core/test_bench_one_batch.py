@@ -78,11 +78,19 @@ class TestBenchOneBatch(CustomTestCase):
             # nothing (auto may plan budget 0 here: it stashes the context);
             # that a drafting step runs the draft, test_phases checks.
             self.assertGreater(r["dspark_ops_per_step"], r["plain_ops_per_step"])
-            # Speedup: tokens per step (exact counts) over the paired cost.
+            # Speedup: tokens per step over the paired cost, both over the
+            # turns both engines decoded (one's tail, once the other is done,
+            # is unpaired).
             tokens = r["num_prompts"] * r["repeats"] * 8  # decode tokens per engine
-            gain = (tokens / r["dspark_decode_steps"]) / (
-                tokens / r["plain_decode_steps"]
-            )
+            per_step = {}
+            for name in ("plain", "dspark"):
+                paired = r[f"{name}_paired_decode_tokens"]
+                steps = r[f"{name}_paired_decode_steps"]
+                self.assertLessEqual(paired, tokens)
+                self.assertGreater(paired, tokens / 2)
+                self.assertLessEqual(steps, r[f"{name}_decode_steps"])
+                per_step[name] = paired / steps
+            gain = per_step["dspark"] / per_step["plain"]
             self.assertAlmostEqual(r["tokens_per_step_ratio"], gain)
             self.assertAlmostEqual(r["speedup"], gain / r["step_cost_mean_ratio"])
             s_lo, s_hi = r["speedup_ci95"]

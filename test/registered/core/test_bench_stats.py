@@ -1,11 +1,13 @@
 """bench_stats: the paired ratios the benches report, and their intervals."""
 
 import math
+import random
 import statistics
 import unittest
 
 from sglang.bench_stats import (
     geometric_mean_ratio,
+    mean_product,
     mean_ratio,
     median_ratio,
     t_quantile_975,
@@ -61,6 +63,46 @@ class TestBenchStats(CustomTestCase):
         self.assertAlmostEqual(geometric_mean_ratio([(1, 2), (1, 3)])[0], math.sqrt(6))
         self.assertEqual(mean_ratio([(1.0, 2.0), (1.0, 3.0)]), (2.5, None, None))
 
+    def test_mean_product(self):
+        # Two columns, powers (1, -1): mean_ratio's estimate, and an interval
+        # on the log (asymmetric) of about mean_ratio's width.
+        b, a = [p[1] for p in PAIRS], [p[0] for p in PAIRS]
+        ratio, lo, hi = mean_product([b, a], [1, -1])
+        self.assertAlmostEqual(ratio, mean_ratio(PAIRS)[0])
+        res = [y / statistics.fmean(b) - x / statistics.fmean(a) for x, y in PAIRS]
+        half = 2.776 * statistics.stdev(res) / math.sqrt(5)
+        self.assertAlmostEqual(lo, ratio * math.exp(-half), places=2)
+        self.assertAlmostEqual(hi, ratio * math.exp(half), places=2)
+        self.assertAlmostEqual(hi - lo, mean_ratio(PAIRS)[2] - mean_ratio(PAIRS)[1], 1)
+        # A speedup: (tokens_b / steps_b) / (tokens_a / steps_a) / cost ratio.
+        # With the step costs constant, a cost-only interval has no width;
+        # this one carries the tokens' spread.
+        tokens_b, steps = [40, 52, 45, 38, 49], [10] * 5
+        est, lo, hi = mean_product(
+            [tokens_b, steps, [10] * 5, steps, [2.0] * 5, [1.0] * 5],
+            [1, -1, -1, 1, -1, 1],
+        )
+        self.assertAlmostEqual(est, (44.8 / 10) / 1.0 / 2.0)
+        self.assertLess(lo, est * 0.95)
+        self.assertGreater(hi, est * 1.05)
+        self.assertEqual(
+            mean_product([[1.0, 2.0], [1.0, 2.0]], [1, -1]), (1, None, None)
+        )
+
+    def test_mean_product_covers_95_percent(self):
+        # Simulated lockstep runs: the interval holds the true speedup (2.0)
+        # in about 95% of 400 runs of 30 pairs, where tokens and times vary.
+        rng, hits = random.Random(0), 0
+        for _ in range(400):
+            tokens = [rng.gauss(60, 9) for _ in range(30)]
+            cost_a = [rng.gauss(1.0, 0.1) for _ in range(30)]
+            cost_b = [c * rng.gauss(1.5, 0.1) for c in cost_a]  # correlated
+            _, lo, hi = mean_product(
+                [tokens, [20] * 30, cost_b, cost_a], [1, -1, -1, 1]
+            )  # (tokens / 20 per step over plain's 1) / (1.5 cost): 2.0
+            hits += lo <= 2.0 <= hi
+        self.assertTrue(0.91 <= hits / 400 <= 0.99, hits / 400)
+
     def test_median_ratio(self):
         slower = median_ratio([1.1, 2.2, 3.3, 4.4, 5.5, 6.6], [1, 2, 3, 4, 5, 6])
         self.assertAlmostEqual(slower["median"], 1.1)
@@ -82,6 +124,19 @@ class TestBenchStats(CustomTestCase):
                     fn([])
                 with self.assertRaisesRegex(ValueError, "> 0"):
                     fn([(1.0, 0.0)])
+        for columns, powers, needle in (
+            ([[1.0]], [1, -1], "1 columns for 2 powers"),
+            ([[1.0], [1.0]], [1, 2], "powers must be 1 or -1"),
+            ([[1.0], [1.0, 2.0]], [1, -1], "of one length"),
+            ([[], []], [1, -1], "non-empty"),
+            ([[1.0], [math.nan]], [1, -1], "finite and >= 0"),
+            ([[1.0], [0.0]], [1, -1], "mean must be > 0"),
+        ):
+            with (
+                self.subTest(needle=needle),
+                self.assertRaisesRegex(ValueError, needle),
+            ):
+                mean_product(columns, powers)
 
 
 if __name__ == "__main__":
