@@ -256,6 +256,14 @@ class TestStepTimes(EngineCase):
             self.assertTrue(all(t > 0 for t in times))
             self.assertEqual(sched.num_decode_steps - before, 3 * unrecorded)
             self.assertEqual(sched._step_times, [])  # nothing kept after
+            # Two recordings opened together hold equal lists: each closes
+            # its own.
+            with sched.record_step_times() as outer:
+                with sched.record_step_times() as inner:
+                    self._outputs(engine)
+                self._outputs(engine)
+            self.assertEqual((len(inner), len(outer)), (unrecorded, 2 * unrecorded))
+            self.assertEqual(sched._step_times, [])
 
 
 class TestNoSilentSpin(EngineCase):

@@ -118,7 +118,8 @@ class Scheduler:
         try:
             yield times
         finally:
-            self._step_times.remove(times)
+            # By identity: two recordings' lists may be equal.
+            self._step_times = [t for t in self._step_times if t is not times]
 
     def kv_need(self, req: Req) -> int:
         """Slots a request may touch: prompt, outputs but the last (it never
