@@ -145,19 +145,33 @@ class TestRunSuite(CustomTestCase):
 
         self.write("test_all_skip.py", unittest_file(skips=1, runs=0))
         self.write("test_some_skip.py", unittest_file(skips=1, runs=1))
+        # A module that skips before any test runs: "Ran 0 tests", 1 skip.
+        self.write(
+            "test_zmodule_skip.py",
+            unittest_file(skips=0, runs=1).replace(
+                "class T",
+                "def setUpModule(): raise unittest.SkipTest('no GPU')\nclass T",
+            ),
+        )
         proc = self.run_suite("--hw", "cpu", "--suite", "skips")
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         lines = proc.stdout.splitlines()
         self.assertRegex(
-            lines[0], r"^\[1/2\] SKIPPED registered/test_all_skip.py \(.*s, 1 of 1 "
+            lines[0],
+            r"^\[1/3\] SKIPPED registered/test_all_skip.py \(.*s, 1 skipped, 1 run\)",
         )
         self.assertRegex(
-            lines[1], r"^\[2/2\] PASSED registered/test_some_skip.py \(.*s, 1 of 2 "
+            lines[1],
+            r"^\[2/3\] PASSED registered/test_some_skip.py \(.*s, 1 skipped, 2 run\)",
         )
-        self.assertRegex(lines[-4], r"^  SKIPPED  registered/test_all_skip.py \(")
+        self.assertRegex(
+            lines[2],
+            r"^\[3/3\] SKIPPED registered/test_zmodule_skip.py \(.*s, 1 skipped, 0 run",
+        )
+        self.assertRegex(lines[-5], r"^  SKIPPED  registered/test_all_skip.py \(")
         self.assertEqual(
             lines[-2:],
-            ["1 skipped: every test in the file skipped itself", "1 passed, 0 failed"],
+            ["2 skipped: every test in the file skipped itself", "1 passed, 0 failed"],
         )
 
     def test_unknown_suite_for_that_hw_lists_known_ones(self) -> None:
