@@ -21,9 +21,9 @@ Printed per temperature and batch size: each engine's decode tokens/s and
 mean step time; the DSpark/plain step-cost ratio, the geometric mean of
 the turns' ratios of mean block step times, with its 95% confidence
 interval (a t-interval on the log ratios); the speedup, DSpark's decode
-tokens per step over plain's divided by the ratio of the blocks' mean step
-costs (what throughput follows), both over the turns in which both engines
-decoded, with a 95% interval (delta method, ``bench_stats.mean_product``)
+tokens per step over plain's divided by the ratio of their mean step times
+(what throughput follows: the ratio of their tokens/s), both over the turns
+in which both engines decoded, with a 95% interval (delta method, ``bench_stats.mean_product``)
 that carries the spread of the tokens each block committed (random under
 sampling) as well as of the step times; DSpark's mean accepted
 length (accepted drafts + 1 per verify step); each engine's mean requests
@@ -70,7 +70,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from sglang import bench_plots
-from sglang.bench_stats import geometric_mean_ratio, mean_product, mean_ratio
+from sglang.bench_stats import geometric_mean_ratio, mean_product
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -370,18 +370,17 @@ def run(
             row_steps = sum(r.spec_verify_ct for r in all_reqs[name])
             row[f"{name}_rows_per_step"] = row_steps / len(times[name])
         # Over the turns both engines decoded (paired blocks, timed under the
-        # same conditions): the step cost ratio, DSpark's mean step time over
-        # plain's, and the speedup, the tokens-per-step ratio over it. The
-        # speedup's interval carries both: under sampling the tokens a block
-        # commits are random too.
-        step_pairs = [(p[2], d[2]) for p, d in pairs]
-        ratio, lo, hi = geometric_mean_ratio(step_pairs)
-        cost_ratio = mean_ratio(step_pairs)[0]
+        # same conditions): DSpark's mean step time over plain's, and the
+        # speedup, the tokens-per-step ratio over it: the tokens/s ratio of
+        # the paired blocks. Its interval carries both: under sampling the
+        # tokens a block commits are random too.
+        ratio, lo, hi = geometric_mean_ratio([(p[2], d[2]) for p, d in pairs])
         (tok_p, n_p, t_p), (tok_d, n_d, t_d) = (list(zip(*c)) for c in zip(*pairs))
+        sec_p = [n * t for n, t in zip(n_p, t_p)]
+        sec_d = [n * t for n, t in zip(n_d, t_d)]
         gain = (sum(tok_d) / sum(n_d)) / (sum(tok_p) / sum(n_p))
-        speedup, s_lo, s_hi = mean_product(
-            [tok_d, n_d, tok_p, n_p, t_d, t_p], [1, -1, -1, 1, -1, 1]
-        )
+        cost_ratio = (sum(sec_d) / sum(n_d)) / (sum(sec_p) / sum(n_p))
+        speedup, s_lo, s_hi = mean_product([tok_d, sec_d, tok_p, sec_p], [1, -1, -1, 1])
         verify_ct = sum(r.spec_verify_ct for r in all_reqs["dspark"])
         accepted = sum(r.spec_accepted_drafts for r in all_reqs["dspark"])
         verified = sum(r.spec_verified_drafts for r in all_reqs["dspark"])

@@ -68,7 +68,7 @@ class StepBuffers(Generic[V]):
                 for item in value:
                     walk(item)
             elif hasattr(value, "__dict__") and not isinstance(
-                value, (ModelRunner, torch.nn.Module)
+                value, (type, ModelRunner, torch.nn.Module)
             ):
                 for item in vars(value).values():
                     walk(item)
