@@ -42,6 +42,17 @@ def _ep(size: int):
     return get_parallel().override(moe_ep_size=size, moe_ep_rank=size - 1)
 
 
+def _three_decoding() -> ScheduleBatch:
+    """A batch of 3 requests past their prefill (rows 1 to 3)."""
+    params = SamplingParams(max_new_tokens=4)
+    reqs = [
+        Req(rid=i, origin_input_ids=[1, 2], sampling_params=params) for i in range(3)
+    ]
+    for i, req in enumerate(reqs):
+        req.output_ids, req.req_pool_idx = [5], i + 1
+    return ScheduleBatch.from_reqs(reqs, "cpu")
+
+
 class TestPredicate(CustomTestCase):
     def test_ep_sizes(self):
         for size, expected in ((1, False), (2, True), (8, True)):
@@ -476,14 +487,7 @@ class TestBusyIdleGraphKeyIdentity(CustomTestCase):
         # budget whatever the other ranks run.
         worker = _dp_worker()
         g = worker.gamma
-        params = SamplingParams(max_new_tokens=4)
-        reqs = [
-            Req(rid=i, origin_input_ids=[1, 2], sampling_params=params)
-            for i in range(3)
-        ]
-        for i, req in enumerate(reqs):
-            req.output_ids, req.req_pool_idx = [5], i + 1
-        busy = ScheduleBatch.from_reqs(reqs, "cpu")
+        busy = _three_decoding()
         rng = random.Random(3)
         for _ in range(200):
             counts = [3, 0] + [rng.randint(0, 8) for _ in range(rng.randint(0, 2))]
@@ -505,14 +509,7 @@ class TestDpVerifyRows(CustomTestCase):
         # 3 + 4, 1 + 4 (all on its one request), 0; this rank (rank 0) masks
         # by its own.
         worker = _dp_worker()
-        params = SamplingParams(max_new_tokens=4)
-        reqs = [
-            Req(rid=i, origin_input_ids=[1, 2], sampling_params=params)
-            for i in range(3)
-        ]
-        for i, req in enumerate(reqs):
-            req.output_ids, req.req_pool_idx = [5], i + 1
-        batch = ScheduleBatch.from_reqs(reqs, "cpu")
+        batch = _three_decoding()
         batch.global_num_tokens = batch.global_num_tokens_for_logprob = [3, 1, 0]
         batch.global_verify_tier_num_tokens = [6, 2, 0]
         rows, budget = worker._prepare(batch, batch.sampling_mode)
