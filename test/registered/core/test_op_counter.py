@@ -90,6 +90,25 @@ class TestPhaseSpans(CustomTestCase):
         self.assertGreater(recorder.totals["a"]["seconds"], 0)
         self.assertNotIn("ops", recorder.totals["a"])  # no counter given
 
+    def test_a_timing_only_recorder_times_nested_and_raising_spans(self):
+        spans = PhaseSpans()
+        spans.hook = recorder = PhaseRecorder()  # no sync, no counter
+        for _ in range(2):
+            with spans("outer"):
+                with spans("inner"):
+                    time.sleep(0.002)
+        with self.assertRaises(KeyError):
+            with spans("raised"):
+                time.sleep(0.002)
+                raise KeyError("inside")
+        totals = recorder.totals
+        self.assertEqual(set(totals), {"outer", "inner", "raised"})
+        self.assertEqual(set(totals["inner"]), {"seconds"})
+        self.assertGreaterEqual(totals["inner"]["seconds"], 0.004)
+        self.assertGreaterEqual(totals["outer"]["seconds"], totals["inner"]["seconds"])
+        self.assertGreaterEqual(totals["raised"]["seconds"], 0.002)
+        self.assertIs(recorder("inner"), recorder("inner"))  # one span per name
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -10,7 +10,7 @@ host reads of each span.
 
 import time
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Dict, Optional
+from typing import Callable, ContextManager, Dict, Optional, Union
 
 from sglang.srt.utils.op_counter import OpCounter
 
@@ -34,9 +34,10 @@ class PhaseRecorder:
     the steps), the ops, allocations and host reads dispatched inside it.
     Spans may nest; each is counted on its own (a nested span's time is also
     in the span around it). ``sync`` runs at each span's ends (a CUDA
-    synchronize, so that a span times its own kernels). A span costs two
-    clock reads and a few additions: the step it observes stays close to
-    the step unobserved (the bench shows both)."""
+    synchronize, so that a span times its own kernels). Without ``sync`` or
+    ``counter`` a span is two clock reads and an addition (``_TimedSpan``):
+    the step it observes stays close to the step unobserved (the bench
+    shows both)."""
 
     def __init__(
         self,
@@ -45,13 +46,18 @@ class PhaseRecorder:
         counter: Optional[OpCounter] = None,
     ) -> None:
         self.sync, self.counter = sync, counter
-        self._spans: Dict[str, _Span] = {}
+        self._spans: Dict[str, Union["_Span", "_TimedSpan"]] = {}
 
-    def __call__(self, name: str) -> "_Span":
-        span = self._spans.get(name)
-        if span is None:
-            span = self._spans[name] = _Span(self.sync, self.counter)
-        return span
+    def __call__(self, name: str) -> Union["_Span", "_TimedSpan"]:
+        try:  # a span is entered a dozen times a step: the short path first
+            return self._spans[name]
+        except KeyError:
+            span = self._spans[name] = (
+                _TimedSpan()
+                if self.sync is None and self.counter is None
+                else _Span(self.sync, self.counter)
+            )
+            return span
 
     @property
     def totals(self) -> Dict[str, Dict[str, float]]:
@@ -92,3 +98,22 @@ class _Span:
         if self.counter is not None:
             out.update(zip(("ops", "allocs", "host_reads"), self.counts))
         return out
+
+
+class _TimedSpan:
+    """A span that only times: what a recorder without ``sync`` or
+    ``counter`` hands out, so that observing a step adds the least to it."""
+
+    __slots__ = ("seconds", "start")
+
+    def __init__(self) -> None:
+        self.seconds, self.start = 0.0, 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.seconds += time.perf_counter() - self.start
+
+    def totals(self) -> Dict[str, float]:
+        return {"seconds": self.seconds}
