@@ -1,0 +1,40 @@
+"""bench_glue_cache times the engine's own accept phase warm and cold."""
+
+import unittest
+
+from sglang.bench_glue_cache import probe
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+
+
+class TestGlueCacheProbe(CustomTestCase):
+    def test_reports_each_way_and_its_ratio_to_warm(self):
+        for temperature in (0.0, 1.0):
+            with self.subTest(temperature=temperature):
+                out = probe(temperature=temperature, batch_size=2, trials=12)
+                ways = {"warm", "after verify forward", "after 16 MB sweep"}
+                self.assertEqual(set(out["accept_us"]), ways)
+                self.assertEqual(set(out["ratio_to_warm"]), ways - {"warm"})
+                for us in out["accept_us"].values():
+                    self.assertGreater(us, 0.0)
+                for ratio in out["ratio_to_warm"].values():
+                    lo, hi = ratio["ci95"]
+                    self.assertLessEqual(lo, ratio["median"])
+                    self.assertLessEqual(ratio["median"], hi)
+                    self.assertGreater(lo, 0.0)
+
+    def test_bad_arguments_are_refused(self):
+        for kwargs, message in (
+            (dict(trials=5), "trials"),
+            (dict(batch_size=0), "batch_size"),
+            (dict(temperature=-1.0), "temperature"),
+        ):
+            args = dict(temperature=1.0, batch_size=1, trials=12) | kwargs
+            with self.subTest(**kwargs), self.assertRaisesRegex(ValueError, message):
+                probe(**args)
+
+
+if __name__ == "__main__":
+    unittest.main()
