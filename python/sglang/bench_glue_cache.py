@@ -70,7 +70,8 @@ def probe(*, temperature: float, batch_size: int, trials: int, seed: int = 0) ->
     }
     times = {name: [] for name in before}
     with torch.no_grad():
-        for trial in range(trials + trials // 5):  # the first fifth warms up
+        # trials // 5 more trials first, discarded: the warm-up.
+        for trial in range(trials + trials // 5):
             for name, run_before in before.items():
                 run_before()
                 start = time.perf_counter()
