@@ -351,6 +351,19 @@ def _engine(budget, algorithm="DSPARK", **kw):
     return Engine(**args)
 
 
+def _steps_with_all_prompts(engine, params):
+    """Submit PROMPTS (``params[i]`` for prompt i), prefill them, then yield
+    after each decode step that ran all three."""
+    sched = engine.scheduler
+    for i, (ids, p) in enumerate(zip(PROMPTS, params)):
+        sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=p))
+    sched.step()  # the prefills
+    while sched.has_work():
+        sched.step()
+        if sched._batch is not None and sched._batch.batch_size == len(PROMPTS):
+            yield
+
+
 class TestBudgetsEndToEnd(CustomTestCase):
     @classmethod
     def setUpClass(cls):
@@ -449,18 +462,12 @@ class TestPaddedRaggedVerify(CustomTestCase):
 
     def _check(self, budget):
         engine = _engine(budget, cuda_graph_bs=[1, 2, 4])
-        sched, worker = engine.scheduler, engine.worker
+        worker = engine.worker
         g = worker.gamma
-        for i, ids in enumerate(PROMPTS):
-            params = SamplingParams(max_new_tokens=30)
-            sched.add_request(Req(rid=i, origin_input_ids=ids, sampling_params=params))
-        sched.step()  # the prefills
         ragged = worker.buffers.ragged(4, budget)
         steps = 0
-        while sched.has_work():
-            sched.step()
-            if sched._batch is None or sched._batch.batch_size != 3:
-                continue
+        params = [SamplingParams(max_new_tokens=30) for _ in PROMPTS]
+        for _ in _steps_with_all_prompts(engine, params):
             steps += 1
             lens = worker.buffers.at(4).verify_lens.tolist()
             self.assertEqual(sum(lens), budget)
@@ -482,20 +489,15 @@ class TestSampledRowsShareBlind(CustomTestCase):
         for seeds in ((None, None, None), (None, None, 7)):
             with self.subTest(seeds=seeds):
                 engine = _engine(4)
-                sched, worker = engine.scheduler, engine.worker
-                for i, (ids, seed) in enumerate(zip(PROMPTS, seeds)):
-                    params = SamplingParams(
+                worker = engine.worker
+                params = [
+                    SamplingParams(
                         max_new_tokens=30, temperature=1.0, sampling_seed=seed
                     )
-                    sched.add_request(
-                        Req(rid=i, origin_input_ids=ids, sampling_params=params)
-                    )
-                sched.step()  # the prefills
+                    for seed in seeds
+                ]
                 steps = 0
-                while sched.has_work():
-                    sched.step()
-                    if sched._batch is None or sched._batch.batch_size != 3:
-                        continue
+                for _ in _steps_with_all_prompts(engine, params):
                     steps += 1
                     lens = worker.buffers.at(3).verify_lens.tolist()
                     self.assertEqual(sum(lens), 4)
