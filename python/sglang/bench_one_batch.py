@@ -312,16 +312,19 @@ def run(
                 batch_size=num * dp,
                 input_len=args.input_len,
             )
-        for engine in engines.values():
+        for name, engine in engines.items():
             engine.scheduler.max_running_requests = bs  # requests decoding at once
             engine.generate(  # warm up
                 input_ids=prompts[: bs * dp],
                 sampling_params=dict(params, max_new_tokens=4),
             )
             # Each row draws from the seed, whatever ran before it (other rows,
-            # warm-ups, --count-ops passes), and its prompts are seeded per
-            # row: its figures do not depend on the rows before it.
+            # warm-ups, --count-ops passes), its prompts are seeded per row,
+            # and the verify planner starts it as new: its figures do not
+            # depend on the rows before it.
             engine.reseed(args.seed)
+            if not engine.flush_cache():
+                raise RuntimeError(f"{name}: requests left after the warm-up")
         outputs = {name: [] for name in ENGINES}
         times = {name: [] for name in ENGINES}
         all_reqs = {name: [] for name in ENGINES}

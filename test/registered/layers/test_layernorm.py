@@ -21,7 +21,9 @@ HIDDEN = 64
 def _norm(device: str = "cpu") -> RMSNorm:
     norm = RMSNorm(HIDDEN).to(device)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)))
+        norm.weight.copy_(
+            torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
+        )
     return norm
 
 

@@ -170,6 +170,20 @@ class Engine:
         mixed = (seed + self.dp_rank * 0x9E3779B97F4A7C15) % 2**64
         self.generator.manual_seed(mixed)
 
+    def flush_cache(self) -> bool:
+        """Upstream's name: when idle, forget what past steps taught the
+        engine (the DSpark verify planner's calibration and cost scales, the
+        draft-health window), so that later calls behave as on a fresh
+        engine of the same configuration (its measured cost table kept).
+        False, and nothing forgotten, while a call runs or requests remain.
+        Under DP attention every rank flushes its own."""
+        if not self._lock.acquire(blocking=False):  # a generate() is running
+            return False
+        try:
+            return self.scheduler.flush_cache()
+        finally:
+            self._lock.release()
+
     @staticmethod
     def _init_expert_parallel(args: ServerArgs):
         """On a distributed world, build the EP groups with ``dist_timeout``

@@ -66,6 +66,8 @@ class DecodeWorker(Protocol):
 
     def local_verify_tier(self, batch: ScheduleBatch) -> int: ...
 
+    def flush_cache(self) -> None: ...
+
 
 class Scheduler:
     # Draft health: over this many request-steps that verified a draft, a
@@ -169,6 +171,18 @@ class Scheduler:
             )
         req.origin_input_ids = ids
         req.eos_token_id = self.eos_token_id
+
+    def flush_cache(self) -> bool:
+        """With no request waiting or running: forget what past steps taught
+        the engine (the worker's learned state, the draft-health window), so
+        that what runs next behaves as on a fresh engine; False, and nothing
+        forgotten, while there is work."""
+        if self.has_work():
+            return False
+        self.worker.flush_cache()
+        self._accepted.clear()
+        self._warned_draft = False
+        return True
 
     def has_work(self) -> bool:
         """Requests wait or run here; under DP attention also while any rank

@@ -207,6 +207,9 @@ class TpModelWorker:
         """A plain step verifies nothing: no budget (-1), or idle (0)."""
         return 0 if batch.is_idle else -1
 
+    def flush_cache(self) -> None:
+        """Plain decoding learns nothing from its steps: nothing to forget."""
+
     def forward_prefill(
         self,
         *,

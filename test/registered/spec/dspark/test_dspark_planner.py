@@ -4,6 +4,7 @@ device schedule (ScheduleVerifyLensTopk) and the ragged verify it lays
 out; budget 0 is a plain decode step, and every budget keeps greedy
 output equal to plain decoding."""
 
+import copy
 import itertools
 import os
 import tempfile
@@ -338,6 +339,20 @@ class TestPlanner(CustomTestCase):
         self.assertAlmostEqual(planner.step_cost(bs=2, budget=4), 2 * 2.4, places=3)
         self.assertAlmostEqual(planner.step_cost(bs=2, budget=0), 2.0)  # apart
 
+    def test_reset_forgets_what_steps_taught_it(self):
+        table = _table()
+        fresh, planner = self._planner(table), self._planner(table)
+        self._know(planner, {9: 0.2})
+        planner.observe(
+            confidence=[[0.95, 0.15]], sampled=[True], accept_lens=[1], verify_lens=[2]
+        )
+        planner.observe_cost(bs=2, budget=2, seconds=9.0)
+        planner.plan(confidence=[[0.95, 0.15], None], sampled=[False, True])
+        self.assertNotEqual(vars(planner), vars(fresh))
+        planner.reset()
+        self.assertEqual(vars(planner), vars(fresh))
+        self.assertIs(planner.cost_table, table)
+
     def test_schedule_config(self):
         self.assertEqual(DSparkScheduleConfig().min_verify_len, 1)
         with self.assertRaisesRegex(ValueError, "min_verify_len"):
@@ -443,6 +458,54 @@ class TestBudgetsEndToEnd(CustomTestCase):
         torch.testing.assert_close(
             runs["resumed"], runs["always"], rtol=1e-4, atol=1e-5
         )
+
+
+def _learned(planner) -> dict:
+    """A copy of what a planner holds besides its cost table."""
+    return copy.deepcopy({k: v for k, v in vars(planner).items() if k != "cost_table"})
+
+
+class TestFlushCache(CustomTestCase):
+    def test_an_idle_engine_forgets_what_its_steps_taught_it(self):
+        engine = _engine("auto")
+        planner, sched = engine.worker.planner, engine.scheduler
+        fresh, table = _learned(planner), planner.cost_table
+        refused = []
+
+        def progress(_tokens):  # inside generate(): the engine is busy
+            if not refused:
+                refused.append(engine.flush_cache())
+                refused.append(_learned(planner) == fresh)
+
+        params = {"max_new_tokens": 24, "temperature": 1.0}
+        engine.generate(input_ids=PROMPTS, sampling_params=params, progress=progress)
+        self.assertEqual(refused, [False, False])
+        self.assertNotEqual(_learned(planner), fresh)
+        self.assertGreater(sched.running_accept_length, 0.0)
+        self.assertTrue(engine.flush_cache())
+        self.assertEqual(_learned(planner), fresh)
+        self.assertIs(planner.cost_table, table)  # measured once, kept
+        self.assertEqual(sched.running_accept_length, 0.0)
+        # Still serves, and plain engines flush too (nothing to forget).
+        outs = engine.generate(
+            input_ids=PROMPTS[:1], sampling_params={"max_new_tokens": 4}
+        )
+        self.assertEqual(len(outs[0]["output_ids"]), 4)
+        self.assertTrue(_engine(None, algorithm=None).flush_cache())
+
+    def test_queued_requests_refuse_the_flush(self):
+        engine = _engine("auto")
+        engine.scheduler.add_request(
+            Req(
+                rid=0,
+                origin_input_ids=PROMPTS[0],
+                sampling_params=SamplingParams(max_new_tokens=4),
+            )
+        )
+        self.assertFalse(engine.flush_cache())
+        while engine.scheduler.has_work():
+            engine.scheduler.step()
+        self.assertTrue(engine.flush_cache())
 
 
 class TestPaddedRaggedVerify(CustomTestCase):

@@ -254,6 +254,13 @@ class DSparkVerifyPlanner:
         self.gamma, self.cost_table = gamma, cost_table
         self.prior_weight, self.explore_every = prior_weight, explore_every
         self.replan_every = replan_every
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what steps taught it (calibration, running acceptance,
+        measured cost scales, streaks, the plan held): as made, with the
+        same cost table."""
+        gamma = self.gamma
         # Plain Python lists: a plan touches at most bs * gamma numbers, where
         # numpy's per-call cost would dominate.
         # [greedy / sampled][bin]: drafts judged after an accepted prefix,

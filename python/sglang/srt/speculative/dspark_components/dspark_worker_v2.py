@@ -353,6 +353,12 @@ class DSparkWorker:
     def idle_prefill(self, *, global_num_tokens: List[int]) -> None:
         self.target_worker.idle_prefill(global_num_tokens=global_num_tokens)
 
+    def flush_cache(self) -> None:
+        """The verify planner forgets what steps taught it (its cost table
+        stays: it was measured for this configuration)."""
+        if self.planner is not None:
+            self.planner.reset()
+
     def local_verify_tier(self, batch: ScheduleBatch) -> int:
         """This rank's verify tier for the DP sync: its requests' anchor rows
         plus the drafts it plans to verify; -1 without a per-step plan
