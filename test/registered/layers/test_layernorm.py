@@ -47,6 +47,15 @@ class TestRMSNorm(CustomTestCase):
         self.assertTrue(torch.equal(got_x, ref_x))
         self.assertTrue(torch.equal(got_w, ref_w))
 
+    def test_cpu_other_dtypes_take_torchs_upcasting_composite(self):
+        norm = _norm().to(torch.bfloat16)
+        x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(4))
+        x = (x * 100).to(torch.bfloat16)
+        with torch.no_grad():
+            ref = F.rms_norm(x, (HIDDEN,), norm.weight, norm.eps)
+            self.assertEqual(norm(x).dtype, torch.bfloat16)
+            self.assertTrue(torch.equal(norm(x), ref))
+
     def test_cpu_makes_three_tensors_where_torch_makes_five(self):
         norm, x = _norm(), torch.randn(48, HIDDEN)
         with torch.no_grad():
