@@ -171,8 +171,9 @@ class Engine:
         self.generator.manual_seed(mixed)
 
     def flush_cache(self) -> bool:
-        """Upstream's name: when idle, forget what past steps taught the
-        engine (the DSpark verify planner's calibration and cost scales, the
+        """Upstream's name (whose flush also clears the prefix cache; there
+        is none here): when idle, forget what past steps taught the engine
+        (the DSpark verify planner's calibration and cost scales, the
         draft-health window), so that later calls behave as on a fresh
         engine of the same configuration (its measured cost table kept).
         False, and nothing forgotten, while a call runs or requests remain.

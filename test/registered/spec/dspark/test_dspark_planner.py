@@ -470,21 +470,25 @@ class TestFlushCache(CustomTestCase):
         engine = _engine("auto")
         planner, sched = engine.worker.planner, engine.scheduler
         fresh, table = _learned(planner), planner.cost_table
-        refused = []
+        during = []  # per step inside generate(): (flushed, scheduler had work)
 
-        def progress(_tokens):  # inside generate(): the engine is busy
-            if not refused:
-                refused.append(engine.flush_cache())
-                refused.append(_learned(planner) == fresh)
+        def progress(_tokens):
+            had_work = sched.has_work()
+            during.append((engine.flush_cache(), had_work))
 
         params = {"max_new_tokens": 24, "temperature": 1.0}
         engine.generate(input_ids=PROMPTS, sampling_params=params, progress=progress)
-        self.assertEqual(refused, [False, False])
+        # Refused at every step; after the last one the scheduler had no work
+        # left: the call running is what refuses it there.
+        self.assertEqual({flushed for flushed, _ in during}, {False})
+        self.assertEqual(during[-1], (False, False))
         self.assertNotEqual(_learned(planner), fresh)
         self.assertGreater(sched.running_accept_length, 0.0)
+        sched._warned_draft = True  # as after a draft-health warning
         self.assertTrue(engine.flush_cache())
         self.assertEqual(_learned(planner), fresh)
         self.assertIs(planner.cost_table, table)  # measured once, kept
+        self.assertFalse(sched._warned_draft)
         self.assertEqual(sched.running_accept_length, 0.0)
         # Still serves, and plain engines flush too (nothing to forget).
         outs = engine.generate(
