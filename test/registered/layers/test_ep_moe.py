@@ -127,6 +127,12 @@ class TestDenseExperts(CustomTestCase):
             # The router's matmul, then one for every gate and up, one for
             # every down: nothing per expert.
             self.assertEqual(c.by_op["aten::mm"], 3)
+            if n is None:
+                # New tensors: the router's logits, softmax and top-k (2),
+                # the weights' sum, the [T, E] routing weights, the two
+                # matmuls. The renormalization, the activation and its
+                # weighting are written in place.
+                self.assertEqual(c.allocs, 8, c.by_op)
         # The same ops for 1 row or 48, masked or not (masking adds its own).
         self.assertEqual([len(v) for v in counts.values()], [1, 1], counts)
 
@@ -198,6 +204,8 @@ class TestGroupedExperts(CustomTestCase):
         # padded rows' pairs sort last and one read of where cuts them off:
         # the grouped matmuls multiply the real rows' pairs only.
         moe = _moe(8, 2, dense=False)
+        with torch.no_grad():
+            moe(_inputs(moe, 1)[0])  # the derived weight layouts, made once
         for n, reads in ((None, 0), (4, 1), (0, 1)):
             with self.subTest(n=n):
                 x, scalar, _ = _inputs(moe, 6, n)
@@ -228,6 +236,12 @@ class TestGroupedExperts(CustomTestCase):
                 # for all experts, whatever the routing.
                 self.assertEqual(c.by_op["aten::mm"], 1)
                 self.assertEqual(c.by_op["aten::_grouped_mm"], 2)
+                if n is None:
+                    # The router's 5 (as dense), the sort (2), the groups'
+                    # ends, the rows' and their weights' gathers, the two
+                    # grouped matmuls, the output. The pair -> row division
+                    # and the activation are written in place.
+                    self.assertEqual(c.allocs, 13, c.by_op)
                 ((num_rows, offs),) = computed
                 self.assertEqual((num_rows, int(offs[-1])), (2 * real, 2 * real))
                 self.assertTrue(torch.equal(out[real:], torch.zeros_like(x[real:])))

@@ -193,7 +193,8 @@ class EPMoE(nn.Module):
         w13, w2 = self._all_experts
         weights = self._routing_weights(topk, masked=masked)  # [T, E_local]
         h = torch.mm(x, w13)  # [T, 2 * E_local * I]: gates, then ups
-        act = F.silu(h[:, :width]).mul_(h[:, width:])  # [T, E_local * I]
+        # In h's gate half: [T, E_local * I], a strided view (mm reads it as is).
+        act = F.silu(h[:, :width], inplace=True).mul_(h[:, width:])
         act.view(num_rows, self.num_local, self.intermediate_size).mul_(
             weights.unsqueeze(-1)
         )
@@ -206,7 +207,8 @@ class EPMoE(nn.Module):
         w13, w2 = self._grouped_experts
         inter = self.intermediate_size
         h = torch._grouped_mm(xs, w13, offs=offs)  # [R, 2I]: gates, then ups
-        return torch._grouped_mm(F.silu(h[:, :inter]).mul_(h[:, inter:]), w2, offs=offs)
+        act = F.silu(h[:, :inter], inplace=True).mul_(h[:, inter:])  # in h's gates
+        return torch._grouped_mm(act, w2, offs=offs)
 
     def _forward_grouped(
         self, x: torch.Tensor, topk: TopKOutput, *, masked: bool
@@ -238,7 +240,9 @@ class EPMoE(nn.Module):
             if num_routed == 0:
                 return torch.zeros_like(x)
             order = order[:num_routed]
-        rows = order // top_k  # expert-major, ascending rows per expert
+        weights = topk.topk_weights.view(-1).index_select(0, order)
+        # Pair -> row, in order's own storage (read above, not again).
+        rows = order.floor_divide_(top_k)  # expert-major, ascending rows per expert
         y = self._experts_grouped(x.index_select(0, rows), offs)  # [T * top_k, H]
-        y *= topk.topk_weights.view(-1).index_select(0, order).unsqueeze(1)
+        y *= weights.unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, rows, y)

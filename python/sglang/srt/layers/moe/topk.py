@@ -26,7 +26,7 @@ def select_experts(
     """
     probs = torch.softmax(router_logits.float(), dim=-1)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
-    topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    topk_weights.div_(topk_weights.sum(dim=-1, keepdim=True))  # topk's own output
     if num_token_non_padded is not None:
         rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
         padded = (rows >= num_token_non_padded).unsqueeze(1)  # [T, 1]
