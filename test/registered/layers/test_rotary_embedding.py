@@ -1,12 +1,12 @@
 """Rotary positions: the per-forward tables and the four-kernel rotation give
-exactly the neox formula's values."""
+exactly the neox formula's values, in place."""
 
 import math
 import unittest
 
 import torch
 
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -36,9 +36,19 @@ class TestRotaryEmbedding(CustomTestCase):
 
     def test_bitwise_equal_to_the_neox_formula(self):
         ref = _neox(self.positions, self.x)
-        self.assertTrue(torch.equal(self.rope(self.positions, self.x), ref))
+        x = self.x.clone()
+        self.assertTrue(torch.equal(self.rope(self.positions, x), ref))
+        self.assertTrue(torch.equal(x, self.x))  # the module rotates a copy
         cos, sin = self.rope.cos_sin(self.positions)
-        self.assertTrue(torch.equal(apply_rotary(self.x, cos, sin), ref))
+        out = apply_rotary_(x, cos, sin)
+        self.assertTrue(torch.equal(out, ref))
+        self.assertEqual(out.data_ptr(), x.data_ptr())  # in place
+
+    def test_tables_of_another_dtype_are_refused(self):
+        # In place, a float32 product would be rounded to x's bf16.
+        cos, sin = self.rope.cos_sin(self.positions)
+        with self.assertRaisesRegex(ValueError, "torch.float32, x is torch.bfloat16"):
+            apply_rotary_(self.x.to(torch.bfloat16), cos, sin)
 
     def test_rotates_a_strided_view(self):
         # The attention rotates q and k together, a column slice of qkv.
@@ -46,9 +56,12 @@ class TestRotaryEmbedding(CustomTestCase):
             11, 3 * 6, HEAD_DIM, generator=torch.Generator().manual_seed(4)
         )
         cos, sin = self.rope.cos_sin(self.positions)
-        out = apply_rotary(qkv[:, :12], cos, sin)
-        self.assertTrue(torch.equal(out, _neox(self.positions, qkv[:, :12].clone())))
-        self.assertTrue(torch.equal(out[:, 6:], _neox(self.positions, qkv[:, 6:12])))
+        ref = _neox(self.positions, qkv[:, :12].clone())
+        v = qkv[:, 12:].clone()
+        out = apply_rotary_(qkv[:, :12], cos, sin)
+        self.assertTrue(torch.equal(out, ref))
+        self.assertTrue(torch.equal(qkv[:, :12], ref))  # written into the view
+        self.assertTrue(torch.equal(qkv[:, 12:], v))  # and nothing else
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
     def test_cuda_equals_the_cpu_on_a_strided_view(self):
@@ -58,8 +71,8 @@ class TestRotaryEmbedding(CustomTestCase):
             11, 3 * 6, HEAD_DIM, generator=torch.Generator().manual_seed(5)
         )
         cos, sin = self.rope.cos_sin(self.positions)
-        on_cpu = apply_rotary(qkv[:, :12], cos, sin)
-        on_cuda = apply_rotary(qkv.cuda()[:, :12], cos.cuda(), sin.cuda())
+        on_cuda = apply_rotary_(qkv.cuda()[:, :12], cos.cuda(), sin.cuda())
+        on_cpu = apply_rotary_(qkv[:, :12], cos, sin)
         self.assertTrue(torch.equal(on_cuda.cpu(), on_cpu))
 
     def test_tables(self):

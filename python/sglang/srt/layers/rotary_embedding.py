@@ -1,7 +1,8 @@
 """Rotary positions (neox layout).
 
 A model holds one ``RotaryEmbedding``; each forward gathers the rows' cos/sin
-once (``cos_sin``) and every layer applies them with ``apply_rotary``.
+once (``cos_sin``) and every layer applies them with ``apply_rotary_``, in
+place.
 """
 
 from typing import Tuple
@@ -36,17 +37,22 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions: [T]; x: [T, heads, head_dim]
-        return apply_rotary(x, *self.cos_sin(positions, x.dtype))
+        # positions: [T]; x: [T, heads, head_dim], left as it is (a copy rotates)
+        return apply_rotary_(x.clone(), *self.cos_sin(positions, x.dtype))
 
 
-def apply_rotary(
-    x: torch.Tensor,  # [T, heads, head_dim]
-    cos: torch.Tensor,  # [T, 1, head_dim]: (cos, cos)
+def apply_rotary_(
+    x: torch.Tensor,  # [T, heads, head_dim], rotated in place
+    cos: torch.Tensor,  # [T, 1, head_dim]: (cos, cos), x's dtype
     sin: torch.Tensor,  # [T, 1, head_dim]: (-sin, sin)
-) -> torch.Tensor:  # [T, heads, head_dim]
-    """Neox rotation in four kernels. The same products and sums as
-    ``cat(x1*cos - x2*sin, x2*cos + x1*sin)``: a - b == a + (-b) exactly."""
+) -> torch.Tensor:  # x
+    """Neox rotation in four kernels, written into ``x`` (a layer's own
+    projection, a strided view of it as often as not: upstream's kernels
+    rotate q and k in place too). The same products and sums as
+    ``cat(x1*cos - x2*sin, x2*cos + x1*sin)``: a - b == a + (-b) exactly.
+    One copy, the swapped halves, where an out-of-place rotation makes two."""
+    if cos.dtype != x.dtype:  # in place would round the product to x's dtype
+        raise ValueError(f"rotary tables are {cos.dtype}, x is {x.dtype}")
     half = x.shape[-1] // 2
     # (x2, x1), a copy. On the CPU one roll (fewer ops than unflatten, flip
     # and flatten); on CUDA the flip, one kernel over the strided q/k view,
@@ -55,6 +61,4 @@ def apply_rotary(
         swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
     else:
         swapped = x.roll(half, -1)
-    out = x * cos
-    out += swapped.mul_(sin)
-    return out
+    return x.mul_(cos).add_(swapped.mul_(sin))

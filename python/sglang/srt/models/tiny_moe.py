@@ -5,12 +5,13 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.layers.attention import AttentionMetadata, kv_read_bound, slot_attention
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.moe.ep_moe import EPMoE
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -82,10 +83,13 @@ class TinyMoEAttention(nn.Module):
         kv_pool,
         out_cache_loc: torch.Tensor,  # [T]
     ) -> None:
-        """K/V of ``hidden`` into this layer's cache at ``out_cache_loc``."""
-        kv = self.qkv_proj(hidden).view(-1, 3 * self.num_heads, self.head_dim)
-        k = apply_rotary(kv[:, self.num_heads : 2 * self.num_heads], cos, sin)
-        kv_pool.write(self.layer_id, out_cache_loc, k, kv[:, 2 * self.num_heads :])
+        """K/V of ``hidden`` into this layer's cache at ``out_cache_loc``:
+        the projection's K and V rows only (no query is asked of them)."""
+        heads = self.num_heads
+        kv_weight = self.qkv_proj.weight[heads * self.head_dim :]  # [2 * H, H]
+        kv = F.linear(hidden, kv_weight).view(-1, 2 * heads, self.head_dim)
+        k = apply_rotary_(kv[:, :heads], cos, sin)
+        kv_pool.write(self.layer_id, out_cache_loc, k, kv[:, heads:])
 
     def forward(
         self,
@@ -96,7 +100,7 @@ class TinyMoEAttention(nn.Module):
         heads = self.num_heads
         qkv = self.qkv_proj(hidden).view(-1, 3 * heads, self.head_dim)
         # q and k rotated together: one set of kernels for both.
-        qk = apply_rotary(qkv[:, : 2 * heads], metadata.cos, metadata.sin)
+        qk = apply_rotary_(qkv[:, : 2 * heads], metadata.cos, metadata.sin)
         forward_batch.token_to_kv_pool.write(
             self.layer_id,
             forward_batch.out_cache_loc,
