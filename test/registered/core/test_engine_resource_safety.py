@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import unittest
+from unittest import mock
 
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
@@ -183,6 +184,89 @@ class TestFailuresReleaseEverything(EngineCase):
                 sched.step()
             self.assertEqual([r.output_ids for r in reqs], self.expected[algo])
             self.assert_usable(algo)
+
+    def test_an_interrupted_abort_is_finished_by_the_next_call_or_flush(self):
+        # A decode step fails and a second interrupt lands in the abort that
+        # follows: the call's requests still hold their rows. The next
+        # generate() finishes the abort first, and so does flush_cache()
+        # (the engine is idle: the call is over).
+        for algo, engine in self.each_engine():
+            for then in ("generate", "flush_cache"):
+                sched, real = engine.scheduler, engine.scheduler.abort_requests
+                calls = [0]
+
+                def abort_once_interrupted(reqs):
+                    calls[0] += 1
+                    if calls[0] == 1:
+                        raise KeyboardInterrupt
+                    return real(reqs)
+
+                with (
+                    self.failing(engine, "decode_step", 2, Injected("decode")),
+                    mock.patch.object(sched, "abort_requests", abort_once_interrupted),
+                ):
+                    with self.assertRaises(KeyboardInterrupt):
+                        self._outputs(engine)
+                    self.assertTrue(sched.has_work())  # still held
+                    with self.subTest(then=then):
+                        if then == "flush_cache":
+                            self.assertTrue(engine.flush_cache())
+                            self.assert_whole(engine)
+                        else:
+                            self.assertEqual(self._outputs(engine), self.expected[algo])
+                        self.assertEqual(calls[0], 2)
+                self.assert_usable(algo)
+
+    def test_interrupt_while_a_steps_tokens_are_appended(self):
+        # Used directly, a step interrupted after the worker returned, while
+        # the host appends the step's tokens to its requests: some have them
+        # and some not, while the batch's device state has them all. The
+        # batch is rebuilt from the requests, those already finished leave
+        # with their KV returned, and finishing the rest gives exactly the
+        # outputs of a run that never failed. Every append of the run is
+        # interrupted in turn: the first, middle and last request's of each
+        # step, those of the steps where requests finish among them.
+        for algo, engine in self.each_engine():
+            appends = self._run_interrupting_append(engine, algo, None)
+            self.assertGreater(appends, 6)
+            for fail_at in range(1, appends + 1):
+                with self.subTest(fail_at=fail_at):
+                    self._run_interrupting_append(engine, algo, fail_at)
+            self.assert_usable(algo)
+
+    def _run_interrupting_append(self, engine, algo, fail_at) -> int:
+        """Run PROMPTS through the scheduler, the decode steps' ``fail_at``-th
+        append of tokens interrupted (None: none); check the outputs and the
+        pools. Returns how many appends the decode steps made."""
+        sched, real, calls = engine.scheduler, Req.append_tokens, [0]
+
+        def flaky(req, *args, **kw):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise KeyboardInterrupt
+            return real(req, *args, **kw)
+
+        reqs = [
+            Req(rid=3000 + i, origin_input_ids=ids, sampling_params=SamplingParams(12))
+            for i, ids in enumerate(PROMPTS)
+        ]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()  # admission, prefill and a first decode: not interrupted
+        interrupted = False
+        with mock.patch.object(Req, "append_tokens", flaky):
+            while sched.has_work():
+                try:
+                    sched.step()
+                except KeyboardInterrupt:
+                    interrupted = True
+                    sched.check_pool_accounting()
+                    finished = [r.rid for r in sched.running if r.finished]
+                    self.assertEqual(finished, [])  # released, not left running
+        self.assertEqual(interrupted, fail_at is not None)
+        self.assertEqual([r.output_ids for r in reqs], self.expected[algo])
+        self.assert_whole(engine)
+        return calls[0]
 
     def test_prefill_exception_keeps_scheduler_consistent(self):
         # Used directly, the request whose prefill failed is aborted with its

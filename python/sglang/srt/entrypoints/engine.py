@@ -181,9 +181,17 @@ class Engine:
         if not self._lock.acquire(blocking=False):  # a generate() is running
             return False
         try:
+            self._finish_abort()
             return self.scheduler.flush_cache()
         finally:
             self._lock.release()
+
+    def _finish_abort(self) -> None:
+        """The last call's requests, when an interrupt cut short their abort
+        (the call ended, the lock is held): they give back what they hold."""
+        if self._unclean:
+            self.scheduler.abort_requests(self._unclean)
+            self._unclean = []
 
     @staticmethod
     def _init_expert_parallel(args: ServerArgs):
@@ -277,9 +285,7 @@ class Engine:
                 f"({self._rank_failure!r}), so the ranks' collectives are out of "
                 f"step; restart every rank"
             )
-        if self._unclean:
-            scheduler.abort_requests(self._unclean)
-            self._unclean = []
+        self._finish_abort()
         error: Optional[ValueError] = None
         try:
             if progress is not None and not callable(progress):

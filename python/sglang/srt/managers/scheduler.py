@@ -7,8 +7,9 @@ A request reserves its worst-case KV slots on admission, so a running
 request never runs out of KV and no committed token is lost.
 
 Failure safety: a request is always in exactly one place (waiting, being
-admitted, running, or released), a step that raises leaves every prefilled
-request running and the batch rebuilt from host state, and
+admitted, running, or released), a step that raises (even while its tokens
+are appended to its requests) leaves every prefilled, unfinished request
+running and the batch rebuilt from host state, releases the finished, and
 ``abort_requests`` returns everything a set of requests held, rebuilding the
 free lists from the requests still running so an interrupt anywhere (even
 inside a release) leaks nothing. ``check_pool_accounting`` states the
@@ -338,20 +339,29 @@ class Scheduler:
         start = time.perf_counter()
         try:
             out = self.worker.decode_step(batch=batch)
+            if batch.is_idle:
+                return []
+            if batch.seq_lens.is_cuda:
+                torch.cuda.synchronize()
+            self.num_decode_steps += 1
+            if self._step_times:
+                seconds = time.perf_counter() - start
+                for times in self._step_times:
+                    times.append(seconds)
+            self._append_outputs(out)
         except BaseException:
-            # The batch's device state may be half-advanced; the requests'
-            # host state is whole, so the batch is rebuilt from it.
+            # The batch's device state may be half-advanced, or ahead of
+            # requests that did not get this step's tokens (an interrupt
+            # while they are appended); the requests' host state is whole,
+            # so the batch is rebuilt from it. Those already finished are
+            # released all the same.
             self._batch = None
+            self._retire_finished()
             raise
-        if batch.is_idle:
-            return []
-        if batch.seq_lens.is_cuda:
-            torch.cuda.synchronize()
-        self.num_decode_steps += 1
-        if self._step_times:
-            seconds = time.perf_counter() - start
-            for times in self._step_times:
-                times.append(seconds)
+        return self._retire_finished()
+
+    def _append_outputs(self, out) -> None:
+        """The step's tokens and draft counts into its requests."""
         verified = out.verified_drafts or [0] * len(self.running)
         logprobs = out.logprobs or [None] * len(self.running)
         for req, ids, accepted, checked, lps in zip(
@@ -364,6 +374,10 @@ class Scheduler:
                 self._accepted.append(accepted)
             req.append_tokens(ids, self.eos_token_id, lps)
         self._check_draft_health()
+
+    def _retire_finished(self) -> List[Req]:
+        """Finished requests leave the running batch and give back their
+        row and slots; returned."""
         done = [r for r in self.running if r.finished]
         if done:
             self.running = [r for r in self.running if not r.finished]
