@@ -435,8 +435,9 @@ class TestBudgetsEndToEnd(CustomTestCase):
     def test_stashed_context_is_written_when_drafting_resumes(self):
         # Plain steps, then drafting: the draft's context KV equals that of
         # an engine that drafted throughout (its context write every step).
+        # A stash write that fails is redone by the next step ("retried").
         runs = {}
-        for name, budget in (("resumed", 0), ("always", "off")):
+        for name, budget in (("resumed", 0), ("retried", 0), ("always", "off")):
             engine = _engine(budget)
             sched = engine.scheduler
             req = Req(
@@ -447,17 +448,24 @@ class TestBudgetsEndToEnd(CustomTestCase):
             sched.add_request(req)
             while len(req.output_ids) < 12:
                 sched.step()
-            if name == "resumed":
+            if name != "always":
                 self.assertIsNotNone(req.draft_context_from)
                 engine.worker.verify_budget = "off"  # draft from now on
+                if name == "retried":
+                    draft = engine.worker.draft_model
+                    with mock.patch.object(
+                        draft, "write_context", side_effect=RuntimeError("write")
+                    ):
+                        with self.assertRaisesRegex(RuntimeError, "write"):
+                            sched.step()
+                    self.assertIsNotNone(req.draft_context_from)  # still owed
                 sched.step()
                 self.assertIsNone(req.draft_context_from)
             pool = engine.worker.draft_runner.token_to_kv_pool
             slots = req.kv_slots[: len(req.origin_input_ids) + 10]
             runs[name] = pool.k[:, slots].clone()
-        torch.testing.assert_close(
-            runs["resumed"], runs["always"], rtol=1e-4, atol=1e-5
-        )
+        for name in ("resumed", "retried"):
+            torch.testing.assert_close(runs[name], runs["always"], rtol=1e-4, atol=1e-5)
 
 
 def _learned(planner) -> dict:

@@ -506,24 +506,25 @@ class DSparkWorker:
     def _write_stashed_context(self, batch: ScheduleBatch) -> None:
         """Before drafting: the draft context of positions that plain steps
         committed (stashed target hidden states) into the draft's KV."""
-        slots, positions = [], []
+        slots, positions, written = [], [], []
         for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu):
             if req.draft_context_from is not None:
                 # The anchor (seq_len - 1) enters this step's verify.
                 span = range(req.draft_context_from, seq_len - 1)
                 slots += [req.kv_slots[p] for p in span]
                 positions += span
-                req.draft_context_from = None
-        if not slots:
-            return
-        with self.spans("context write"):
-            slots_t = torch.tensor(slots, device=self.device)
-            self.draft_model.write_context(
-                aux_hidden_states=self.context_stash.index_select(0, slots_t),
-                positions=torch.tensor(positions, device=self.device),
-                out_cache_loc=slots_t,
-                kv_pool=self.draft_runner.token_to_kv_pool,
-            )
+                written.append(req)
+        if slots:
+            with self.spans("context write"):
+                slots_t = torch.tensor(slots, device=self.device)
+                self.draft_model.write_context(
+                    aux_hidden_states=self.context_stash.index_select(0, slots_t),
+                    positions=torch.tensor(positions, device=self.device),
+                    out_cache_loc=slots_t,
+                    kv_pool=self.draft_runner.token_to_kv_pool,
+                )
+        for req in written:  # only once written: a failed write is redone
+            req.draft_context_from = None
 
     def _verify_batch(self, v: DSparkStepViews, rows: int, budget: int) -> ForwardBatch:
         """The target batch a step of this budget runs."""
