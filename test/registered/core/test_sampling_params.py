@@ -158,6 +158,34 @@ class TestValidation(CustomTestCase):
         with self.assertRaisesRegex(ValueError, "return_logprob must be"):
             engine.generate(input_ids=[[1, 2]], return_logprob="yes")
 
+    def test_min_new_tokens_that_would_mask_every_token(self):
+        # Stop ids and EOS over the whole vocabulary: min_new_tokens would
+        # leave nothing to sample. Refused; one id fewer (or min_new_tokens
+        # 0, or EOS ignored with it the missing id) runs.
+        engine = Engine(device="cpu", eos_token_id=EOS)
+        vocab = engine.scheduler.vocab_size
+        others = [t for t in range(vocab) if t != EOS]
+        with self.assertRaisesRegex(
+            ValueError, "input 0: .*min_new_tokens 2 masks every token"
+        ):
+            engine.generate(
+                input_ids=[[1, 2]],
+                sampling_params={"stop_token_ids": others, "min_new_tokens": 2},
+            )
+        engine.scheduler.check_pool_accounting()
+        for params in (
+            {"stop_token_ids": others[1:], "min_new_tokens": 2},
+            {"stop_token_ids": others, "min_new_tokens": 0},
+            {"stop_token_ids": others, "min_new_tokens": 2, "ignore_eos": True},
+        ):
+            with self.subTest(
+                **{k: v for k, v in params.items() if k != "stop_token_ids"}
+            ):
+                out = engine.generate(
+                    input_ids=[[1, 2]], sampling_params=dict(params, max_new_tokens=3)
+                )
+                self.assertGreater(len(out[0]["output_ids"]), 0)
+
 
 class TestGreedyEqualsPlain(CustomTestCase):
     """Deterministic parameters: DSpark's output is plain decoding's."""
@@ -377,7 +405,10 @@ class TestAcceptDistribution(CustomTestCase):
         )
         first = torch.where(v.accept_lens > 0, drafts[:, 0], v.state.last_ids)
         p = _processed_p(target, **processing)
-        self.assertLess((q_right - p.float()).abs().max(), 0.5)  # q is not p
+        # q differs from p (a q equal to p would accept every draft and test
+        # nothing), and not so far that every draft is rejected.
+        gap = float((q_right - p.float()).abs().max())
+        self.assertTrue(0.1 < gap < 0.5, gap)
         return _chi2_goodness(torch.bincount(first, minlength=V), p)
 
     def test_each_parameter_keeps_the_processed_target(self):
@@ -550,6 +581,12 @@ class TestDraftHealth(CustomTestCase):
         running = out[0]["meta_info"]["spec_running_accept_length"]
         self.assertLess(running, 1.05)
         self.assertGreaterEqual(running, 1.0)
+        plain = Engine(device="cpu", max_running_requests=8).generate(
+            input_ids=_prompts(8, seed=6), sampling_params={"max_new_tokens": 40}
+        )
+        self.assertEqual(
+            [o["output_ids"] for o in out], [o["output_ids"] for o in plain]
+        )
 
     def test_the_trained_pair_reports_its_running_accept_length(self):
         engine = Engine(speculative_algorithm="DSPARK", device="cpu")

@@ -170,6 +170,16 @@ class Scheduler:
                 f"request {req.rid}: stop_token_ids {bad} are not in the "
                 f"vocabulary [0, {self.vocab_size})"
             )
+        sp = req.sampling_params
+        masked = set(stops)  # what min_new_tokens masks, EOS unless ignored
+        if self.eos_token_id is not None and not sp.ignore_eos:
+            masked.add(self.eos_token_id)
+        if sp.min_new_tokens > 0 and len(masked) >= self.vocab_size:
+            raise ValueError(
+                f"request {req.rid}: min_new_tokens {sp.min_new_tokens} masks "
+                f"every token: stop_token_ids and EOS cover the whole "
+                f"vocabulary [0, {self.vocab_size})"
+            )
         req.origin_input_ids = ids
         req.eos_token_id = self.eos_token_id
 
