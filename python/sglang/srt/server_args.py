@@ -8,7 +8,6 @@ configuration that needs more than ``mem_fraction_static`` of the memory
 available on the device now is rejected before any of it is allocated.
 """
 
-import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from sglang.srt.models.tiny_moe import TinyMoEConfig
 from sglang.srt.runtime_context import MOE_A2A_BACKENDS
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
+from sglang.srt.utils.common import is_finite
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
 KV_CACHE_DTYPE = torch.float32
@@ -61,7 +61,7 @@ def _checked_float(name: str, value, *, lo: float, hi: float, lo_open: bool) -> 
     ok = (
         isinstance(value, numbers.Real)
         and not isinstance(value, (bool, np.bool_))
-        and math.isfinite(value)
+        and is_finite(value)
         and (value > lo if lo_open else value >= lo)
         and value <= hi
     )

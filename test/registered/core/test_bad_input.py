@@ -68,6 +68,10 @@ class TestBadRequests(CustomTestCase):
             ([1, 2], {"max_new_tokens": 2.0}, "got 2.0"),
             ([1, 2], {"temperature": -0.5}, "temperature .* got -0.5"),
             ([1, 2], {"temperature": float("inf")}, "temperature .* got inf"),
+            # Ints past float's range: refused, not an OverflowError.
+            ([1, 2], {"temperature": 10**400}, "temperature .* got 1000"),
+            ([1, 2], {"top_p": -(10**400)}, "top_p .* got -1000"),
+            ([1, 2], {"frequency_penalty": 10**400}, "frequency_penalty .* got 1000"),
             ([1, 2], {"top_q": 1}, "top_q"),
             ([1, np.float32(2)], PARAMS, r"token id np.float32\(2.0\)"),
             ([1, np.bool_(True)], PARAMS, "token id np.True_"),

@@ -67,6 +67,7 @@ class TestServerArgsValidation(CustomTestCase):
             ({"mem_fraction_static": 1.5}, "mem_fraction_static .* got 1.5"),
             ({"dist_timeout": 0}, "dist_timeout .* got 0"),
             ({"dist_timeout": float("inf")}, "dist_timeout .* got inf"),
+            ({"dist_timeout": 10**400}, "dist_timeout .* got 1000"),  # past float
             ({"dist_timeout": "5"}, "dist_timeout .* got '5'"),
             (
                 {"speculative_algorithm": "dspark"},

@@ -1,7 +1,6 @@
 """Request and batch state: the only mutable state handed between parts."""
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -16,6 +15,7 @@ from sglang.srt.layers.sampler import (
     SamplingTensors,
 )
 from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_INDEX
+from sglang.srt.utils.common import is_finite
 
 
 def _bad_bool(x) -> bool:
@@ -34,7 +34,7 @@ def _real(name: str, value, *, ok, text: str) -> float:
     if (
         _bad_bool(value)
         or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
+        or not is_finite(value)
         or not ok(value)
     ):
         raise ValueError(f"{name} must be a finite number {text}, got {value!r}")

@@ -158,7 +158,7 @@ class TestCostTable(CustomTestCase):
                 f.write("{")
             with self.assertRaisesRegex(ValueError, "unreadable"):
                 VerifyCostTable.load(path)
-        for bad in (0.0, float("nan"), float("inf")):
+        for bad in (0.0, float("nan"), float("inf"), 10**400):  # past float
             with self.assertRaisesRegex(ValueError, "positive finite"):
                 VerifyCostTable(batch_sizes=(1,), gamma=1, seconds=((1.0, bad),))
 

@@ -15,11 +15,12 @@ engine of the same.
 
 import bisect
 import json
-import math
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+
+from sglang.srt.utils.common import is_finite
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,7 @@ class VerifyCostTable:
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"batch_sizes must be ascending and >= 1, got {sizes}")
         if len(self.seconds) != len(sizes) or any(
-            len(row) != self.gamma + 1
-            or not all(math.isfinite(t) and t > 0 for t in row)
+            len(row) != self.gamma + 1 or not all(is_finite(t) and t > 0 for t in row)
             for row in self.seconds
         ):
             raise ValueError(
