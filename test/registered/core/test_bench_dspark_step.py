@@ -216,7 +216,6 @@ class TestBenchDSparkStepEP2(CustomTestCase):
             # The shipped enabled path fills buffers: no scalar created per
             # step; the regressed helper builds the proposer's every step.
             self.assertEqual(counts["fixed"]["int32_scalars"], 0)
-            self.assertEqual(counts["fixed"]["h2d_copies"], 0)
             self.assertEqual(counts["fixed"]["glue_allocs"], 0)
             self.assertEqual(counts["after"]["int32_scalars"], 1)
             # `before` sends no scalar, so padded rows are not masked: the

@@ -26,6 +26,7 @@ from sglang.srt.speculative.dspark_components.dspark_planner import (
     dp_verify_drafts_per_req,
     local_verify_tier_num_tokens,
 )
+from sglang.srt.utils.op_counter import OpCounter
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -100,6 +101,16 @@ class TestDisabledPath(CustomTestCase):
         with mock.patch.object(draft.torch, "tensor") as make:
             self.assertIsNone(_make_num_token_non_padded(8, "cpu"))
         make.assert_not_called()
+
+    def test_ep1_dispatches_no_op(self):
+        # Whatever would make a tensor (torch.tensor, torch.full, a copy, a
+        # fill) dispatches an op, seen by the counter: the disabled path
+        # dispatches none, with or without a buffer to fill.
+        out = torch.zeros((), dtype=torch.int32)
+        for kwargs in ({}, {"out": out}):
+            with self.subTest(**{k: "buffer" for k in kwargs}), OpCounter() as c:
+                self.assertIsNone(_make_num_token_non_padded(8, "cpu", **kwargs))
+            self.assertEqual((c.ops, c.allocs, c.int32_scalars), (0, 0, 0), c.by_op)
 
     def test_patched_predicate_false(self):
         with _ep(2), mock.patch(PREDICATE, return_value=False):
