@@ -165,9 +165,10 @@ def _decode_tokens(reqs: List[Req]) -> int:
 
 def _count_ops(engine: Engine, prompts, params: Dict, steps: int = 8) -> Dict:
     """Mean aten ops, allocations and host reads of a decode step with the
-    whole batch running: the first ``steps`` decode steps after the batch's
-    prefill. Host reads are counted before the output phase (whose read of
-    the tokens is the step's one), through the worker's phase spans; so are
+    whole batch running: ``steps`` decode steps after the batch's first
+    (the step that admits and prefills it decodes once, uncounted). Host
+    reads are counted before the output phase (whose read of the tokens is
+    the step's one), through the worker's phase spans; so are
     the glue's ops and allocations: the step's outside the model's own
     spans (``MODEL_SPANS``: its forwards, their attention metadata, the
     draft's context write).
