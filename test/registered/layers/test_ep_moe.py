@@ -256,6 +256,20 @@ class TestGroupedExperts(CustomTestCase):
             self.assertTrue(torch.equal(after, _reference(moe, x, topk)))
         self.assertFalse(torch.equal(before, after))
 
+    def test_both_paths_are_differentiable(self):
+        # The in-place activation is for inference: with autograd on, both
+        # paths keep the gates the backward needs, and their gradients are
+        # the expert loop's.
+        for dense in (True, False):
+            with self.subTest(dense=dense):
+                moe = _moe(8, 2, dense=dense)
+                x = _inputs(moe, 9)[0].requires_grad_(True)
+                grad = torch.autograd.grad(moe(x).square().sum(), x)[0]
+                topk = select_experts(router_logits=moe.gate(x), top_k=2)
+                ref = _reference(moe, x, topk)
+                ref = torch.autograd.grad(ref.square().sum(), x)[0]
+                torch.testing.assert_close(grad, ref, **DENSE_TOL)
+
     def test_both_paths_agree(self):
         for rows, n in ((6, None), (9, 5), (48, 40)):
             with self.subTest(rows=rows, n=n):

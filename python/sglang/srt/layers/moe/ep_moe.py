@@ -193,8 +193,9 @@ class EPMoE(nn.Module):
         w13, w2 = self._all_experts
         weights = self._routing_weights(topk, masked=masked)  # [T, E_local]
         h = torch.mm(x, w13)  # [T, 2 * E_local * I]: gates, then ups
-        # In h's gate half: [T, E_local * I], a strided view (mm reads it as is).
-        act = F.silu(h[:, :width], inplace=True).mul_(h[:, width:])
+        # In h's gate half: [T, E_local * I], a strided view (mm reads it as
+        # is); out of place where autograd needs the gates for the backward.
+        act = F.silu(h[:, :width], inplace=not h.requires_grad).mul_(h[:, width:])
         act.view(num_rows, self.num_local, self.intermediate_size).mul_(
             weights.unsqueeze(-1)
         )
@@ -207,7 +208,8 @@ class EPMoE(nn.Module):
         w13, w2 = self._grouped_experts
         inter = self.intermediate_size
         h = torch._grouped_mm(xs, w13, offs=offs)  # [R, 2I]: gates, then ups
-        act = F.silu(h[:, :inter], inplace=True).mul_(h[:, inter:])  # in h's gates
+        # In h's gates (out of place where autograd needs them), as dense.
+        act = F.silu(h[:, :inter], inplace=not h.requires_grad).mul_(h[:, inter:])
         return torch._grouped_mm(act, w2, offs=offs)
 
     def _forward_grouped(
@@ -241,8 +243,13 @@ class EPMoE(nn.Module):
                 return torch.zeros_like(x)
             order = order[:num_routed]
         weights = topk.topk_weights.view(-1).index_select(0, order)
-        # Pair -> row, in order's own storage (read above, not again).
-        rows = order.floor_divide_(top_k)  # expert-major, ascending rows per expert
+        # Pair -> row (expert-major, ascending rows per expert), in order's
+        # own storage, read above and not again; unless autograd keeps order
+        # for the weights' backward.
+        if weights.requires_grad:
+            rows = order // top_k
+        else:
+            rows = order.floor_divide_(top_k)
         y = self._experts_grouped(x.index_select(0, rows), offs)  # [T * top_k, H]
         y *= weights.unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, rows, y)
