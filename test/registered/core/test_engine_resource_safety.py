@@ -226,18 +226,22 @@ class TestFailuresReleaseEverything(EngineCase):
         # outputs of a run that never failed. Every append of the run is
         # interrupted in turn: the first, middle and last request's of each
         # step, those of the steps where requests finish among them.
+        # Each request's speculation counts too: counted once per step it
+        # ran to the end, as in the run that never failed.
         for algo, engine in self.each_engine():
-            appends = self._run_interrupting_append(engine, algo, None)
+            appends, counts = self._run_interrupting_append(engine, algo, None)
             self.assertGreater(appends, 6)
             for fail_at in range(1, appends + 1):
                 with self.subTest(fail_at=fail_at):
-                    self._run_interrupting_append(engine, algo, fail_at)
+                    _, got = self._run_interrupting_append(engine, algo, fail_at)
+                    self.assertEqual(got, counts)
             self.assert_usable(algo)
 
-    def _run_interrupting_append(self, engine, algo, fail_at) -> int:
+    def _run_interrupting_append(self, engine, algo, fail_at):
         """Run PROMPTS through the scheduler, the decode steps' ``fail_at``-th
         append of tokens interrupted (None: none); check the outputs and the
-        pools. Returns how many appends the decode steps made."""
+        pools. Returns how many appends the decode steps made, and each
+        request's (steps, accepted drafts, verified drafts)."""
         sched, real, calls = engine.scheduler, Req.append_tokens, [0]
 
         def flaky(req, *args, **kw):
@@ -266,7 +270,11 @@ class TestFailuresReleaseEverything(EngineCase):
         self.assertEqual(interrupted, fail_at is not None)
         self.assertEqual([r.output_ids for r in reqs], self.expected[algo])
         self.assert_whole(engine)
-        return calls[0]
+        counts = [
+            (r.spec_verify_ct, r.spec_accepted_drafts, r.spec_verified_drafts)
+            for r in reqs
+        ]
+        return calls[0], counts
 
     def test_prefill_exception_keeps_scheduler_consistent(self):
         # Used directly, the request whose prefill failed is aborted with its

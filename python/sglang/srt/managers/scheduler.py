@@ -377,12 +377,14 @@ class Scheduler:
         for req, ids, accepted, checked, lps in zip(
             self.running, out.output_ids, out.accepted_drafts, verified, logprobs
         ):
+            # Tokens first: a request interrupted before it has them runs the
+            # step again, and is counted then.
+            req.append_tokens(ids, self.eos_token_id, lps)
             req.spec_verify_ct += 1
             req.spec_accepted_drafts += accepted
             req.spec_verified_drafts += checked
             if checked:
                 self._accepted.append(accepted)
-            req.append_tokens(ids, self.eos_token_id, lps)
         self._check_draft_health()
 
     def _retire_finished(self) -> List[Req]:
