@@ -510,7 +510,7 @@ def _attention(
         attn_flops = 2 * rows * kv_bound * nh * (2 * spec.kv_lora_rank + kv_token)
     else:
         out = nh * spec.head_dim
-        # q, k, v; then q and k rotated
+        # q, k, v; then q and k rotated (in place, past one copy)
         proj = (2 * nh + 3 * spec.num_kv_heads) * spec.head_dim
         attn_flops = 4 * rows * kv_bound * out
     kv_read = bs * kv_bound * kv_token * b
@@ -643,14 +643,15 @@ def forward_cost(
 
 def _context_write(spec: ModelSpec, *, rows: int) -> Cost:
     """The verified rows' target hidden states -> fc -> norm -> each draft
-    layer's K/V (the slice's write_kv projects q, k and v)."""
+    layer's K/V (the slice's write_kv projects k and v only, and rotates k
+    with one copy)."""
     b, h = spec.dtype_bytes, spec.hidden_size
     fc = len(spec.draft.target_layer_ids) * h * h
     if spec.kv_lora_rank:
         kv_params = h * _kv_per_token(spec)
         kv_out = 2 * _kv_per_token(spec)
     else:
-        kv_params = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        kv_params = h * 2 * spec.num_kv_heads * spec.head_dim
         kv_out = (
             kv_params // h + spec.num_kv_heads * spec.head_dim + _kv_per_token(spec)
         )
