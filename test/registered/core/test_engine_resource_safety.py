@@ -185,6 +185,30 @@ class TestFailuresReleaseEverything(EngineCase):
             self.assertEqual([r.output_ids for r in reqs], self.expected[algo])
             self.assert_usable(algo)
 
+    def test_a_partial_abort_keeps_a_dp_round_stepping(self):
+        # Under DP attention a rank steps on while any rank had work at the
+        # last sync (``_dp_busy``, set here as that sync leaves it). Aborting
+        # some of its requests must not end the round for the others (the
+        # rank would stop stepping while its peers wait for it); aborting
+        # the last one ends it.
+        sched = self.engines[None].scheduler
+        reqs = [
+            Req(rid=2000 + i, origin_input_ids=ids, sampling_params=SamplingParams(12))
+            for i, ids in enumerate(PROMPTS)
+        ]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()
+        sched._dp_busy = True
+        sched.abort_requests(reqs[:1])
+        self.assertTrue(sched._dp_busy)
+        self.assertEqual(len(sched.running), 2)
+        self.assertEqual(reqs[0].finished_reason, "abort")
+        sched.check_pool_accounting()
+        sched.abort_requests(reqs[1:])
+        self.assertFalse(sched._dp_busy)
+        self.assert_usable(None)
+
     def test_an_interrupted_abort_is_finished_by_the_next_call_or_flush(self):
         # A decode step fails and a second interrupt lands in the abort that
         # follows: the call's requests still hold their rows. The next

@@ -431,7 +431,10 @@ class Scheduler:
         running = [r for r in self.running if id(r) not in gone]
         if len(running) != len(self.running):
             self.running, self._batch = running, None
-        self._dp_busy = False  # an aborted round ends here
+        if not (self.waiting or self._admitting or self.running):
+            # An aborted round ends here; one that keeps requests steps on,
+            # in lockstep with the ranks that had work at the last sync.
+            self._dp_busy = False
         for req in reqs:
             if not req.finished:
                 req.finished_reason = "abort"
