@@ -21,7 +21,8 @@ is given. A file whose every test skipped itself (unittest's "OK
 SKIPPED, not PASSED. A summary follows the per-file lines; the last line is
 "N passed, N failed" (the skipped files are counted on the line before it,
 in neither). Exit status: 0 all passed, 1 a file failed or was not
-run, 2 a usage error, an unknown suite or a malformed registration.
+run, 2 a usage error, an unknown suite or a malformed registration;
+``--check``: 0 every registration is well formed, 1 not.
 """
 
 from __future__ import annotations

@@ -543,7 +543,7 @@ def main(argv=None) -> int:
         ("--top-p", float, "nucleus mass, (0, 1]"),
         ("--top-k", int, "most likely tokens kept, >= 1"),
         ("--min-p", float, "drop tokens below this x the top one's p"),
-        ("--repetition-penalty", float, "(0, 2]; > 1 discourages repeats"),
+        ("--repetition-penalty", float, "[1e-6, 2]; > 1 discourages repeats"),
     ):
         p.add_argument(flag, type=kind, default=None, help=f"every request's {what}")
     p.add_argument(
@@ -558,7 +558,8 @@ def main(argv=None) -> int:
         type=int,
         default=None,
         help="draft block size gamma (the engine's speculative_num_draft_tokens "
-        "is gamma + 1); default: the draft's block size",
+        "is gamma + 1); it must be the block size the draft was trained with "
+        "(the engine refuses another; 5 for the embedded pair), the default",
     )
     p.add_argument(
         "--speculative-verify-budget",

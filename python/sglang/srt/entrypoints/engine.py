@@ -1,6 +1,6 @@
 """The offline engine: ``Engine(...).generate(input_ids=..., sampling_params=...)``.
 
-Failure handling (see the README's "Failure handling"):
+Failure handling:
 
 - every request of a call is validated (token ids converted once to Python
   ints) before anything is queued or allocated;
