@@ -161,6 +161,12 @@ class ServerArgs:
         )
         for name in ("max_running_requests", "max_total_tokens", "context_length"):
             setattr(self, name, _checked_int(name, getattr(self, name), lo=1))
+        if self.max_running_requests > self.max_total_tokens:
+            raise ValueError(
+                f"max_running_requests={self.max_running_requests} exceeds "
+                f"max_total_tokens={self.max_total_tokens}: every running request "
+                f"holds at least one KV slot"
+            )
         if self.num_threads is None and not self.device.startswith("cuda"):
             self.num_threads = 1
         if self.num_threads is not None:
@@ -318,7 +324,6 @@ class ServerArgs:
         (for DSpark about 58 x max_running_requests x vocab floats: its
         per-slot logits, noise and acceptance), built on the meta device."""
         target_config = self._resolve_model()
-        num_layers = target_config.num_layers
         stash = 0
         meta = ModelRunner(
             forward=None,
@@ -328,7 +333,6 @@ class ServerArgs:
         )
         if self.speculative_algorithm == "DSPARK":
             draft_config = get_draft_config(self.speculative_draft_model_path)
-            num_layers += draft_config.num_layers
             config = DSparkConfig.from_models(
                 draft=draft_config,
                 target=target_config,
@@ -356,7 +360,19 @@ class ServerArgs:
                 vocab_size=target_config.vocab_size,
                 model_runner=meta,
             )
-        sizes = {
+        sizes = self._pool_bytes()
+        if stash:
+            sizes["draft_context_stash"] = stash
+        sizes["step_buffers"] = arena.nbytes()
+        return sizes
+
+    def _pool_bytes(self) -> dict:
+        """The KV pools' and the request table's bytes: arithmetic, any size."""
+        target_config = self._resolve_model()
+        num_layers = target_config.num_layers
+        if self.speculative_algorithm == "DSPARK":
+            num_layers += get_draft_config(self.speculative_draft_model_path).num_layers
+        return {
             "kv_pools": KVPool.nbytes_for(
                 num_layers=num_layers,
                 num_slots=self.max_total_tokens,
@@ -369,16 +385,18 @@ class ServerArgs:
                 max_context_len=self.context_length,
             ),
         }
-        if stash:
-            sizes["draft_context_stash"] = stash
-        sizes["step_buffers"] = arena.nbytes()
-        return sizes
 
     def _check_memory(self) -> None:
-        need = self.static_memory_bytes()
-        total = sum(need.values())
         available = available_memory_bytes(torch.device(self.device))
         cap = int(self.mem_fraction_static * available)
+        # The pools first: sizes past memory fail here, before the step
+        # buffers are laid out (on the meta device, whose sizes overflow
+        # int64 far past any memory).
+        self._check_fits(self._pool_bytes(), available, cap)
+        self._check_fits(self.static_memory_bytes(), available, cap)
+
+    def _check_fits(self, need: dict, available: int, cap: int) -> None:
+        total = sum(need.values())
         if total > cap:
             parts = ", ".join(f"{k} {v / _GIB:.3f} GiB" for k, v in need.items())
             raise ValueError(

@@ -298,7 +298,31 @@ class TestMemorySizing(CustomTestCase):
         ):
             ServerArgs(max_total_tokens=2**40)
         with self.assertRaisesRegex(ValueError, "req_to_token"):
-            ServerArgs(max_running_requests=2**36, cuda_graph_bs=[1])
+            ServerArgs(
+                max_running_requests=2**36, max_total_tokens=2**36, cuda_graph_bs=[1]
+            )
+        # Sizes whose step buffers would overflow int64 even on the meta
+        # device: refused by the pools' arithmetic first, as a ValueError.
+        for algo in (None, "DSPARK"):
+            for n in (2**50, 2**56, 2**63, 10**30):
+                with self.subTest(algo=algo, n=n):
+                    with self.assertRaisesRegex(ValueError, "the pools need"):
+                        ServerArgs(
+                            speculative_algorithm=algo,
+                            max_running_requests=n,
+                            max_total_tokens=n,
+                            cuda_graph_bs=[1],
+                        )
+                    with self.assertRaisesRegex(
+                        ValueError,
+                        f"max_running_requests={n} exceeds max_total_tokens=512",
+                    ):
+                        ServerArgs(
+                            speculative_algorithm=algo,
+                            max_running_requests=n,
+                            max_total_tokens=512,
+                            cuda_graph_bs=[1],
+                        )
         # Any config is refused under a small enough cap; the default fits
         # the default cap.
         with self.assertRaisesRegex(ValueError, "mem_fraction_static=1e-12"):

@@ -21,7 +21,6 @@ Failure handling:
 """
 
 import dataclasses
-import itertools
 import os
 import threading
 from datetime import timedelta
@@ -155,7 +154,9 @@ class Engine:
             dp_group=self._check_group if args.enable_dp_attention else None,
         )
         self._rank_failure: Optional[BaseException] = None
-        self._rids = itertools.count()
+        # The next call's first request id; a call that is refused takes
+        # none, so DP ranks, given the same calls, number them alike.
+        self._next_rid = 0
         self._lock = threading.Lock()
         self._lock_owner: Optional[int] = None  # thread id inside generate()
         self._num_calls = 0
@@ -320,6 +321,7 @@ class Engine:
                     raise
         if error is not None:
             raise error
+        self._next_rid += len(reqs)
         mine = reqs[self.dp_rank :: self.dp_size]  # all of them without DP
         self._unclean = mine
         try:
@@ -400,7 +402,7 @@ class Engine:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"input {i}: bad sampling_params {p!r}: {e}") from None
             req = Req(
-                rid=next(self._rids),
+                rid=self._next_rid + i,
                 origin_input_ids=list(ids),
                 sampling_params=sp,
                 return_logprob=logprob,

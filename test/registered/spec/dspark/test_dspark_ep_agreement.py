@@ -59,12 +59,14 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         # learns the ranks disagree; neither waits for the other.
         bad = PROMPTS if rank == 0 else [PROMPTS[0], [1, 999]]
         call("one_rank_rejects", bad, PARAMS)
+        call("count", PROMPTS[: 1 + rank], PARAMS)  # rank 1 one request more
         outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
         engine.scheduler.check_pool_accounting()
         result[str(algo)] = {
             "calls": calls,
             "pools_whole": pools_whole,
             "output_ids": [o["output_ids"] for o in outs],
+            "ids": [o["meta_info"]["id"] for o in outs],
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -116,8 +118,18 @@ class TestExpertParallelAgreement(CustomTestCase):
     def test_pools_whole_and_later_output_equals_single_process(self):
         for algo in map(str, ALGORITHMS):
             for rank in self.ranks:
-                self.assertEqual(rank[algo]["pools_whole"], [True, True, True])
+                self.assertEqual(rank[algo]["pools_whole"], [True] * 4)
                 self.assertEqual(rank[algo]["output_ids"], self.single[algo])
+
+    def test_refused_calls_take_no_request_ids(self):
+        # Ranks given different calls must still number the next agreed
+        # call's requests alike (DP ranks gather each other's results by
+        # them): a refused call takes no id, on any rank.
+        for algo in map(str, ALGORITHMS):
+            for rank in self.ranks:
+                with self.subTest(algo=algo):
+                    self.assertEqual(rank[algo]["calls"]["count"][0], "ValueError")
+                    self.assertEqual(rank[algo]["ids"], [0, 1])
 
 
 if __name__ == "__main__":
