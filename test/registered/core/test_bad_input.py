@@ -167,6 +167,12 @@ class TestBadRequests(CustomTestCase):
             self.engine.generate(input_ids=GOOD, sampling_params=PARAMS, progress=5)
         self.assertEqual(self.engine.scheduler.num_decode_steps, steps)  # none ran
         self._assert_pools_whole()
+        for seed in (1.5, "3", None, True, -1, 2**63):
+            with self.subTest(seed=seed):
+                with self.assertRaisesRegex(
+                    ValueError, rf"seed must be an int in \[0, 2\*\*63\), got {seed!r}"
+                ):
+                    self.engine.reseed(seed)
 
     def test_rejected_mid_flight_leaves_running_requests_alone(self):
         sched = self.engine.scheduler

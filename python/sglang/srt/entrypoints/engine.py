@@ -43,7 +43,7 @@ from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.registry import load_draft, load_target
-from sglang.srt.server_args import KV_CACHE_DTYPE, ServerArgs
+from sglang.srt.server_args import KV_CACHE_DTYPE, ServerArgs, _checked_int
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
 
@@ -167,7 +167,8 @@ class Engine:
         """The engine's generator (unseeded sampling's draws) from ``seed``.
         Under DP attention each rank draws its own stream of it (rank 0 the
         seed's own): the ranks sample different requests, which must not
-        share their noise."""
+        share their noise. ``seed``: an int in [0, 2**63), as ``random_seed``."""
+        seed = _checked_int("seed", seed, lo=0, hi=2**63, hi_text="2**63")
         mixed = (seed + self.dp_rank * 0x9E3779B97F4A7C15) % 2**64
         self.generator.manual_seed(mixed)
 
