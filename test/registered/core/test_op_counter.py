@@ -37,6 +37,26 @@ class TestOpCounter(CustomTestCase):
         self.assertEqual(c.host_reads, 4)
         self.assertEqual(c.counts()["host_reads"], 4)
 
+    def test_reads_of_cpu_memory_that_dispatch_nothing(self):
+        # A CPU tensor's .tolist() / .numpy() / numpy.asarray() read its
+        # memory with no aten op; they count once each, .item() once (its
+        # op), and nothing stays counting after the counter closes.
+        import numpy as np
+
+        x = torch.arange(6)
+        with OpCounter() as c:
+            x.tolist()
+            x.numpy()
+            np.asarray(x)
+            x[0].item()
+            x.add(1)  # no read
+        self.assertEqual(c.host_reads, 4)
+        x.tolist()
+        self.assertEqual(c.host_reads, 4)
+        with OpCounter() as d:  # a second counter starts from zero
+            x[1:].tolist()
+        self.assertEqual((c.host_reads, d.host_reads), (4, 1))
+
     def test_int32_scalars(self):
         with OpCounter() as c:
             torch.tensor(3, dtype=torch.int32)

@@ -13,8 +13,10 @@ compare variants without timing noise.
 - ``host_reads``: ops that make the host wait for device data: ``.item()``
   and ``int()`` / ``bool()`` of a tensor (``_local_scalar_dense``),
   ``nonzero``, ``equal``, ``masked_select``, ``unique``, and copies from a
-  device to host memory. ``.tolist()`` of a CPU tensor dispatches no op, so
-  it is not seen here (the compile test catches it: a graph break).
+  device to host memory; and ``.tolist()``, ``.numpy()`` and
+  ``numpy.asarray()`` of a CPU tensor, which read its memory without
+  dispatching an op (a device tensor's copy to the host is the op counted):
+  seen one level up, by a ``TorchFunctionMode`` entered with the counter.
 
 Per-phase counts come from ``utils.phases.PhaseRecorder``, a hook the
 workers offer: no method is patched to count it.
@@ -24,6 +26,7 @@ from collections import Counter
 from typing import Dict, List, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -42,6 +45,28 @@ _HOST_READS = {
 }
 
 
+# Read a CPU tensor's memory from Python without an aten op.
+_UNDISPATCHED_READS = {
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__array__,
+}
+
+
+class _UndispatchedReads(TorchFunctionMode):
+    """Counts, into ``counter``, the reads of a CPU tensor's memory that
+    dispatch nothing."""
+
+    def __init__(self, counter: "OpCounter") -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _UNDISPATCHED_READS and args[0].device.type == "cpu":
+            self.counter.host_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _storage(t: torch.Tensor) -> Tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
@@ -57,6 +82,21 @@ class OpCounter(TorchDispatchMode):
         self.by_op: Counter = Counter()
         # (op name, shape) of every new 0-dim int32 tensor, in order.
         self.int32_scalar_sites: List[str] = []
+        self._reads = _UndispatchedReads(self)
+
+    def __enter__(self) -> "OpCounter":
+        self._reads.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._reads.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._reads.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

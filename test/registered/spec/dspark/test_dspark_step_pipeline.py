@@ -99,10 +99,12 @@ class TestPhases(CustomTestCase):
         ):
             self.assertLess(totals[span]["ops"], totals[phase]["ops"] + 1)
             self.assertEqual(order.index(span) > order.index(phase), True)
-        # No host read before the output phase; the output's are not ops on
-        # the CPU (tolist reads in place), and allocate nothing.
+        # No host read before the output phase. The output's own reads (on
+        # the CPU a tolist of each result, dispatching no op) are seen: the
+        # counter would see one anywhere else.
         reads = {n: t["host_reads"] for n, t in totals.items() if t["host_reads"]}
-        self.assertEqual(reads, {})
+        self.assertEqual(set(reads), {"output"})
+        self.assertGreaterEqual(reads["output"], 3)  # accept lengths, drafts, bonus
         self.assertEqual(totals["output"]["allocs"], 0)
 
 
