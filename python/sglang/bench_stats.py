@@ -24,9 +24,10 @@ Interval = Tuple[float, Optional[float], Optional[float]]  # estimate, lo, hi
 
 
 def t_quantile_975(df: int) -> float:
-    """Student's t 97.5% quantile (Cornish-Fisher series; within 1% from df=2)."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    """Student's t 97.5% quantile (Cornish-Fisher series; within 1% from df=2,
+    the least any interval here takes: 3 pairs)."""
+    if df < 2:
+        raise ValueError(f"degrees of freedom must be >= 2, got {df}")
     z = 1.959963984540054
     g = (
         (z**3 + z) / 4,
@@ -40,8 +41,12 @@ def t_quantile_975(df: int) -> float:
 def _check(pairs: Sequence[Tuple[float, float]]) -> None:
     if not pairs:
         raise ValueError("no pairs")
-    if any(not (a > 0 and b > 0) for a, b in pairs):
-        raise ValueError("every measurement must be > 0")
+    for a, b in pairs:
+        if not (0 < a < math.inf and 0 < b < math.inf and math.isfinite(b / a)):
+            raise ValueError(
+                f"every measurement must be finite and > 0, and their ratio "
+                f"finite, got {a!r}, {b!r}"
+            )
 
 
 def geometric_mean_ratio(pairs: Sequence[Tuple[float, float]]) -> Interval:
@@ -106,6 +111,8 @@ def median_ratio(num: Sequence[float], den: Sequence[float]) -> Dict:
     interval: a pair of order statistics (the sign-test interval), which
     holds for any noise distribution; it needs at least 6 pairs.
     ``resolvable``: the interval excludes 1."""
+    if len(num) != len(den):
+        raise ValueError(f"{len(num)} measurements paired with {len(den)}")
     _check(list(zip(den, num)))
     ratios = [a / b for a, b in zip(num, den)]
     ordered, n = sorted(ratios), len(ratios)

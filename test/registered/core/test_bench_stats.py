@@ -26,8 +26,9 @@ class TestBenchStats(CustomTestCase):
         for df, t in ((2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042), (120, 1.980)):
             with self.subTest(df=df):
                 self.assertAlmostEqual(t_quantile_975(df), t, delta=0.04)
-        with self.assertRaises(ValueError):
-            t_quantile_975(0)
+        for df in (0, 1):  # df 1 (12.706) is past the series' reach: 11.3
+            with self.subTest(df=df), self.assertRaises(ValueError):
+                t_quantile_975(df)
 
     def test_geometric_mean_ratio(self):
         ratio, lo, hi = geometric_mean_ratio(PAIRS)
@@ -124,6 +125,18 @@ class TestBenchStats(CustomTestCase):
                     fn([])
                 with self.assertRaisesRegex(ValueError, "> 0"):
                     fn([(1.0, 0.0)])
+                # Infinite, NaN, or a ratio past float's range: refused,
+                # not an inf / nan estimate or an error from statistics.
+                for pair in ((1.0, math.inf), (math.inf, 1.0), (math.nan, 1.0)):
+                    with self.assertRaisesRegex(ValueError, "finite"):
+                        fn(PAIRS + [pair])
+                with self.assertRaisesRegex(ValueError, "ratio finite"):
+                    fn(PAIRS + [(1e-320, 1.0)])
+        # NaN ratios would sort in no order and make a "resolved" interval.
+        with self.assertRaisesRegex(ValueError, "finite"):
+            median_ratio([math.inf] * 3 + [2.0] * 7, [math.inf] * 3 + [1.0] * 7)
+        with self.assertRaisesRegex(ValueError, "7 measurements paired with 6"):
+            median_ratio([2.0] * 7, [1.0] * 6)  # zip would drop one
         for columns, powers, needle in (
             ([[1.0]], [1, -1], "1 columns for 2 powers"),
             ([[1.0], [1.0]], [1, 2], "powers must be 1 or -1"),
