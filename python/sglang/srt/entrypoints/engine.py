@@ -23,6 +23,7 @@ Failure handling:
 import dataclasses
 import os
 import threading
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Union
 
@@ -72,9 +73,15 @@ class Engine:
             )
         self.server_args = args = ServerArgs(**kwargs)
         self._check_group = self._init_expert_parallel(args)
-        device = torch.device(args.device)
+        self._device = device = torch.device(args.device)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)  # process-wide, as torch has it
+        if device.type == "cuda" and device.index is not None:
+            # The current device, process-wide as upstream's runner sets it:
+            # streams, graph capture and synchronize act on the current
+            # device, not on the one a tensor is on (each call below
+            # enters it again, for a process with engines on two devices).
+            torch.cuda.set_device(device)
         # Data-parallel attention: this rank and the number of ranks.
         self.dp_rank = dist.get_rank() if args.enable_dp_attention else 0
         self.dp_size = args.dp_size
@@ -225,11 +232,21 @@ class Engine:
         if world == 1:
             destroy_model_parallel()
             return None
-        init_parallel_from_distributed(
+        parallel = init_parallel_from_distributed(
             attn_dp_size=args.dp_size,
             moe_a2a_backend=args.moe_a2a_backend,
             timeout_s=args.dist_timeout,
         )
+        backend = dist.get_backend(parallel.moe_ep_group)
+        if args.use_cuda_graph and backend != "nccl":
+            # The MoE's all-reduce runs inside the captured step: a graph
+            # captures NCCL's kernels; gloo's goes through the host.
+            raise ValueError(
+                f"expert parallelism over {world} ranks with CUDA graphs needs "
+                f"the nccl backend, but torch.distributed was initialized with "
+                f"{backend!r}: initialize it with nccl, or pass "
+                f"disable_cuda_graph=True"
+            )
         group = get_moe_ep_cpu_group()
         check_ranks_agree(
             digest=_config_digest(args),
@@ -268,7 +285,8 @@ class Engine:
                 "callback; calls on one engine are serialized, so this would "
                 "deadlock"
             )
-        with self._lock:
+        cuda = self._device.type == "cuda"
+        with self._lock, torch.cuda.device(self._device) if cuda else nullcontext():
             try:
                 self._lock_owner = me
                 return self._generate_locked(

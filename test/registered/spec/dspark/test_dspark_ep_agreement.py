@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from sglang import Engine
 from sglang.srt.distributed.parallel_state import init_distributed_environment
-from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, spawn_ranks
 
 register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+register_cuda_ci(est_time=20, stage="base-b", runner_config="1-gpu-large")
 
 PROMPTS = [[7, 3, 9, 1], [4, 4, 8]]
 PARAMS = {"max_new_tokens": 6}
@@ -71,6 +72,27 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def _cuda_graph_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_distributed_environment(rank=rank, world_size=world, port=port, timeout_s=30)
+    result = {"graphs": _error(lambda: Engine(device="cuda", max_running_requests=4))}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+class TestExpertParallelCudaGraphsNeedNccl(CustomTestCase):
+    def test_gloo_with_cuda_graphs_is_a_value_error_on_both_ranks(self):
+        # The MoE's all-reduce runs inside the captured step; gloo's goes
+        # through the host, which a graph cannot capture.
+        for rank in spawn_ranks(_cuda_graph_rank_main, world_size=2):
+            kind, message = rank["graphs"]
+            self.assertEqual(kind, "ValueError")
+            self.assertIn("needs the nccl backend", message)
+            self.assertIn("'gloo'", message)
 
 
 class TestExpertParallelAgreement(CustomTestCase):
