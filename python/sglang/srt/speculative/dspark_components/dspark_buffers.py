@@ -201,7 +201,9 @@ class DSparkStepBuffers(StepBuffers[DSparkStepViews]):
         self.positions, self.table_index = ints(n, g + 1), ints(n, g + 1)
         self.slots = ints(n, g + 1)
         self.verify_ids, self.verify_kv_lens = ints(n, g + 1), ints(n, g + 1)
-        self.draft_tokens = ints(g * n)  # slot-major, then copied into the verify ids
+        # Slot-major, then copied into the verify ids: out= must be contiguous
+        # under torch.compile (argmax into a strided view is a graph break).
+        self.draft_tokens = ints(g * n)
         self.block_ids = torch.full(
             (n, g), mask_token_id, dtype=torch.int64, device=dev
         )
