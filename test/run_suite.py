@@ -11,7 +11,9 @@ From the repo root (or from test/, dropping the "test/" prefix):
 picks the register_cpu_ci or register_cuda_ci registrations, ``--suite`` their
 suite (``suite=``, or "<stage>-test-<runner_config>"). ``--check`` needs
 neither: it validates that every test_*.py under registered/ parses, is
-registered and has an ``if __name__ == "__main__":`` entry.
+registered and has an ``if __name__ == "__main__":`` entry. A file
+registered with ``nightly=True`` runs only with ``--nightly`` (which runs
+the suite's other files too).
 
 Each file runs in its own subprocess as ``python3 registered/<path>`` from test/,
 with a limit of ``--timeout-per-file`` seconds. The run stops at the first
@@ -49,12 +51,19 @@ TAIL_LINES = 40
 
 
 def suite_files(
-    regs: list[CIRegistration], hw: str, suite: str
+    regs: list[CIRegistration], hw: str, suite: str, *, nightly: bool = False
 ) -> list[CIRegistration]:
-    """The first enabled ``hw`` registration of each file in ``suite``, in file order."""
+    """The first enabled ``hw`` registration of each file in ``suite``, in file
+    order; a ``nightly=True`` registration only in a nightly run, as upstream
+    (which runs the others too)."""
     by_file: dict[str, CIRegistration] = {}
     for reg in regs:
-        if reg.backend == hw and reg.effective_suite == suite and reg.disabled is None:
+        if (
+            reg.backend == hw
+            and reg.effective_suite == suite
+            and reg.disabled is None
+            and (nightly or not reg.nightly)
+        ):
             by_file.setdefault(reg.filename, reg)
     return list(by_file.values())
 
@@ -189,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="list, don't run")
     parser.add_argument(
+        "--nightly",
+        action="store_true",
+        help="a nightly run: also the files registered with nightly=True",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="validate that every file is registered and has a __main__ entry",
@@ -231,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    selected = suite_files(regs, args.hw, args.suite)
+    selected = suite_files(regs, args.hw, args.suite, nightly=args.nightly)
     if args.list:
         return list_suite(selected)
     return run_suite(

@@ -74,7 +74,7 @@ from sglang.bench_stats import geometric_mean_ratio, mean_product
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.tp_worker import TpModelWorker
-from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
+from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
@@ -689,7 +689,10 @@ def main(argv=None) -> int:
         if args.plot_dir is not None:
             paths = [bench_plots.speedup_plot(rows, args.plot_dir)]
             if args.phases:
-                phases = {"plain": TpModelWorker.PHASES, "dspark": DSparkWorker.PHASES}
+                phases = {
+                    "plain": TpModelWorker.PHASES,
+                    "dspark": DSparkWorkerV2.PHASES,
+                }
                 paths.append(bench_plots.phases_plot(rows, args.plot_dir, phases))
             print("wrote " + ", ".join(paths))
     if dist.is_initialized():

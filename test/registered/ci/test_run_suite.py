@@ -106,6 +106,23 @@ class TestRunSuite(CustomTestCase):
             ],
         )
 
+    def test_nightly_files_run_only_in_a_nightly_run(self) -> None:
+        self.write(
+            "test_nightly.py", fake_test("register_cpu_ci(9, 'fake-a', nightly=True)")
+        )
+        proc = self.run_suite("--hw", "cpu", "--suite", "fake-a", "--list")
+        self.assertEqual(proc.stdout.splitlines()[-1], "total: 2 files, 5s estimated")
+        proc = self.run_suite("--hw", "cpu", "--suite", "fake-a", "--list", "--nightly")
+        self.assertEqual(
+            proc.stdout.splitlines(),
+            [
+                "  registered/sub/test_fail.py  3s",
+                "  registered/test_nightly.py  9s",
+                "  registered/test_pass.py  2s",
+                "total: 3 files, 14s estimated",
+            ],
+        )
+
     def test_hw_cuda_selects_only_cuda_registrations(self) -> None:
         proc = self.run_suite("--hw", "cuda", "--suite", "fake-a", "--list")
         self.assertEqual(proc.returncode, 0, proc.stderr)

@@ -13,7 +13,7 @@ from unittest import mock
 from sglang import Engine, bench_one_batch
 from sglang.srt.distributed.parallel_state import get_open_port
 from sglang.srt.managers.tp_worker import TpModelWorker
-from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
+from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
 
@@ -268,7 +268,7 @@ class TestBenchOneBatch(CustomTestCase):
                     self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
         self.assertEqual(rc, 0)
         self.assertEqual(text.count("dspark phases, in plain steps: draft"), 2)
-        workers = {"plain": TpModelWorker, "dspark": DSparkWorker}
+        workers = {"plain": TpModelWorker, "dspark": DSparkWorkerV2}
         for row in rows:
             phases = row["phases_plain_steps"]
             for name, worker in workers.items():
@@ -289,7 +289,7 @@ class TestBenchOneBatch(CustomTestCase):
             self.assertLess(dspark["draft forward"], dspark["draft"])
             self.assertLess(dspark["verify forward"], dspark["verify"] + 1e-12)
             self.assertLess(dspark["context write"], dspark["commit"])
-            model = sum(dspark[k] for k in DSparkWorker.MODEL_SPANS)
+            model = sum(dspark[k] for k in DSparkWorkerV2.MODEL_SPANS)
             self.assertAlmostEqual(row["dspark_model_share"], model / dspark["step"])
             self.assertLess(row["dspark_model_share"], 1.0)
             # The bound: this run's tokens-per-step gain over the two

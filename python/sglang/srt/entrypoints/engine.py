@@ -46,7 +46,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.registry import load_draft, load_target
 from sglang.srt.server_args import KV_CACHE_DTYPE, ServerArgs, _checked_int
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
-from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorker
+from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 
 # Fields that legitimately differ per rank (each rank has its own GPU and
 # threads); every other ServerArgs field must agree over the EP group.
@@ -122,7 +122,7 @@ class Engine:
             generator=self.generator,
             max_batch_size=args.max_running_requests,
         )
-        self.worker: Union[TpModelWorker, DSparkWorker]
+        self.worker: Union[TpModelWorker, DSparkWorkerV2]
         if args.speculative_algorithm == "DSPARK":
             draft = load_draft(
                 args.speculative_draft_model_path,
@@ -135,7 +135,7 @@ class Engine:
                 target=cfg,
                 gamma=args.speculative_dspark_block_size,
             )
-            self.worker = DSparkWorker(
+            self.worker = DSparkWorkerV2(
                 target_worker=target_worker,
                 draft_model=draft,
                 draft_runner=runner(draft, kv_pool(draft.config.num_layers)),

@@ -31,19 +31,41 @@ if TYPE_CHECKING:
 
 
 class ForwardMode(enum.IntEnum):
-    EXTEND = enum.auto()
+    """Upstream's members, in upstream's order (so their values match), up to
+    the ones this slice runs; MIXED (chunked prefill) is never made here."""
+
+    EXTEND = enum.auto()  # prefill
     DECODE = enum.auto()
+    MIXED = enum.auto()
+    IDLE = enum.auto()  # a DP rank with no request: an empty forward
     # Speculative decoding: verify a batch in the target model.
     TARGET_VERIFY = enum.auto()
     # Speculative decoding: a batch in the draft model (the DSpark block).
     DRAFT_EXTEND_V2 = enum.auto()
-    IDLE = enum.auto()
 
-    def is_extend(self) -> bool:
-        return self == ForwardMode.EXTEND
+    def is_extend(self, include_draft_extend_v2: bool = False) -> bool:
+        """Upstream's meaning: a target verify is an extend too."""
+        return (
+            self == ForwardMode.EXTEND
+            or self == ForwardMode.MIXED
+            or (include_draft_extend_v2 and self == ForwardMode.DRAFT_EXTEND_V2)
+            or self == ForwardMode.TARGET_VERIFY
+        )
+
+    def is_extend_without_speculative(self) -> bool:
+        return self.is_extend() and not self.is_target_verify()
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_decode_or_idle(self) -> bool:
+        return self == ForwardMode.DECODE or self == ForwardMode.IDLE
 
     def is_target_verify(self) -> bool:
         return self == ForwardMode.TARGET_VERIFY
@@ -51,17 +73,20 @@ class ForwardMode(enum.IntEnum):
     def is_draft_extend_v2(self) -> bool:
         return self == ForwardMode.DRAFT_EXTEND_V2
 
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
-
 
 class CaptureHiddenMode(enum.IntEnum):
-    NULL = enum.auto()  # no hidden states returned
-    LAST = enum.auto()  # the last row of each request
-    FULL = enum.auto()  # every row
+    NULL = 0  # no hidden states returned
+    LAST = 1  # the last row of each request
+    FULL = 2  # every row
 
     def need_capture(self) -> bool:
         return self != CaptureHiddenMode.NULL
+
+    def is_full(self) -> bool:
+        return self == CaptureHiddenMode.FULL
+
+    def is_last(self) -> bool:
+        return self == CaptureHiddenMode.LAST
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def _run(engine) -> dict:
         original = runner.forward
 
         def spy(fb, name=name, original=original):
-            if not fb.forward_mode.is_extend():  # decode steps only
+            if not fb.forward_mode.is_extend_without_speculative():  # no prefill
                 value = fb.num_token_non_padded
                 scalars[name].append(
                     None if value is None else [str(value.dtype), int(value)]

@@ -29,7 +29,7 @@ UPSTREAM = {
         "greedy_accept",
         "rejection_accept",
     ),
-    "sglang.srt.speculative.dspark_components.dspark_worker_v2": ("DSparkWorker",),
+    "sglang.srt.speculative.dspark_components.dspark_worker_v2": ("DSparkWorkerV2",),
     "sglang.srt.models.dspark": ("DSparkDraftModel",),
     "sglang.srt.runtime_context": ("get_parallel",),
     "sglang.srt.model_executor.forward_batch_info": (
@@ -98,6 +98,40 @@ class TestUpstreamLayout(CustomTestCase):
 
         self.assertTrue(ForwardMode.DRAFT_EXTEND_V2.is_draft_extend_v2())
         self.assertFalse(ForwardMode.DRAFT_EXTEND_V2.is_target_verify())
+
+    def test_enums_have_upstreams_values_and_meanings(self):
+        # Upstream's values (a mode sent or stored as an int means the same),
+        # and its is_extend: a target verify is an extend, the draft's
+        # extend only when asked.
+        from sglang.srt.model_executor.forward_batch_info import (
+            CaptureHiddenMode,
+            ForwardMode,
+        )
+
+        self.assertEqual(
+            {m.name: m.value for m in ForwardMode},
+            dict(
+                EXTEND=1,
+                DECODE=2,
+                MIXED=3,
+                IDLE=4,
+                TARGET_VERIFY=5,
+                DRAFT_EXTEND_V2=6,
+            ),
+        )
+        self.assertEqual(
+            {m.name: m.value for m in CaptureHiddenMode},
+            dict(NULL=0, LAST=1, FULL=2),
+        )
+        extend = {m for m in ForwardMode if m.is_extend()}
+        self.assertEqual(
+            extend,
+            {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY},
+        )
+        self.assertTrue(ForwardMode.DRAFT_EXTEND_V2.is_extend(True))
+        self.assertFalse(ForwardMode.TARGET_VERIFY.is_extend_without_speculative())
+        self.assertTrue(CaptureHiddenMode.FULL.is_full())
+        self.assertTrue(CaptureHiddenMode.LAST.is_last())
 
     def test_layers_import_nothing_above_them(self):
         # layers/ take what they need as arguments: no import of the batch

@@ -1,4 +1,4 @@
-"""DSparkWorker: prefill, and the decode step as one pipeline.
+"""DSparkWorkerV2: prefill, and the decode step as one pipeline.
 
 A decode step is five phases, in order, each one call:
 
@@ -97,7 +97,7 @@ from sglang.srt.utils.phases import PhaseSpans
 logger = logging.getLogger(__name__)
 
 
-class DSparkWorker:
+class DSparkWorkerV2:
     # The spans of a decode step, in order, and the model's own computations
     # inside them (what observers add up as model compute).
     PHASES = ("draft", "verify", "accept", "commit", "output")
