@@ -207,9 +207,14 @@ class TestServerArgsValidation(CustomTestCase):
             path = kw["speculative_dspark_sps_table_path"]
             table = VerifyCostTable.load(path)
             self.assertEqual(Engine(**kw).worker.planner.cost_table, table)  # read
-            # Another engine's table (here: another running cap) is refused.
+            # Another engine's table (here: another running cap, or a context
+            # too short for the 128 keys it was measured at) is refused.
             with self.assertRaisesRegex(ValueError, "another configuration"):
                 Engine(max_running_requests=3, **kw)
+            with self.assertRaisesRegex(ValueError, "another configuration"):
+                Engine(context_length=64, **kw)
+            Engine(context_length=256, **kw)  # the same 128 keys: read
+            self.assertEqual(os.listdir(d), ["table.json"])  # no temporary left
 
     def test_dp_attention_without_its_ranks_says_how_to_launch(self):
         # One process, not started by torchrun: no world to join.

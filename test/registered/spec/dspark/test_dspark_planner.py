@@ -15,6 +15,9 @@ import torch
 
 from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.speculative.dspark_components import (
+    dspark_cost_table as cost_table_module,
+)
 from sglang.srt.speculative.dspark_components.dspark_cost_table import (
     VerifyCostTable,
     measure_cost_table,
@@ -154,6 +157,17 @@ class TestCostTable(CustomTestCase):
             path = os.path.join(d, "table.json")
             table.save(path)
             self.assertEqual(VerifyCostTable.load(path), table)
+            # A save cut short leaves the table saved before, and nothing else.
+            other = _table(per_draft=0.5)
+            with mock.patch.object(
+                cost_table_module.json, "dump", side_effect=KeyboardInterrupt
+            ):
+                with self.assertRaises(KeyboardInterrupt):
+                    other.save(path)
+            self.assertEqual(VerifyCostTable.load(path), table)
+            self.assertEqual(os.listdir(d), ["table.json"])
+            other.save(path)
+            self.assertEqual(VerifyCostTable.load(path), other)
             with open(path, "w") as f:
                 f.write("{")
             with self.assertRaisesRegex(ValueError, "unreadable"):
@@ -288,6 +302,47 @@ class TestPlanner(CustomTestCase):
         self.assertEqual(wants, [False, False, True, False, False, True])
         self.assertEqual(len(set(budgets)), 1)
         self.assertIsNone(planner.held(3))  # another batch size plans anew
+
+    def _step(self, planner, bs, conf):
+        """One step as the worker takes it: the held budget, or a new plan."""
+        budget = planner.held(bs)
+        if budget is None:
+            budget = planner.plan(confidence=conf[:bs], sampled=[False] * bs)
+        return budget
+
+    def test_a_batch_that_changes_size_every_step_is_still_observed(self):
+        # Requests join and leave every step: each step plans anew, so no
+        # plan runs out; every replan_every-th step reports all the same,
+        # and drafts that are never accepted turn the plans plain.
+        planner = DSparkVerifyPlanner(gamma=2, cost_table=_table(), replan_every=4)
+        wants, budgets, conf = [], [], [[0.95, 0.95]] * 3
+        for step in range(400):
+            bs = 2 + step % 2
+            budget = self._step(planner, bs, conf)
+            wants.append(planner.wants_confidence)
+            budgets.append(budget // bs)
+            if budget and planner.wants_confidence:  # every draft rejected
+                planner.observe(
+                    confidence=conf[:bs],
+                    sampled=[False] * bs,
+                    accept_lens=[0] * bs,
+                    verify_lens=[budget // bs] * bs,
+                )
+        self.assertEqual(wants[:8], [False, False, False, True] * 2)
+        self.assertEqual(budgets[:4], [2, 2, 2, 2])  # the optimistic prior
+        late = budgets[-96:]  # plain, but for an exploring step in 33
+        self.assertLessEqual(sum(1 for L in late if L), 3)
+
+    def test_an_exploring_drafting_step_holds_for_one_step(self):
+        # Plain plans (drafts cost more than they win) explore one drafting
+        # step after explore_every of them, not a whole replan_every hold.
+        planner = DSparkVerifyPlanner(
+            gamma=2, cost_table=_table(per_draft=2.0), replan_every=4, explore_every=4
+        )
+        self._know(planner, {5: 0.5})
+        conf = [[0.55, 0.55]] * 2
+        got = [self._step(planner, 2, conf) for _ in range(10)]
+        self.assertEqual(got, [0, 0, 0, 2, 0, 0, 0, 2, 0, 0])
 
     def test_ranks_holding_an_agreed_budget_replan_together(self):
         # EP ranks each plan (one plain, one drafting) and hold the largest:

@@ -15,6 +15,7 @@ engine of the same.
 
 import bisect
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -76,17 +77,26 @@ class VerifyCostTable:
         return "\n".join(lines)
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(
-                {
-                    "batch_sizes": list(self.batch_sizes),
-                    "gamma": self.gamma,
-                    "seconds": [list(r) for r in self.seconds],
-                    "measured_for": self.measured_for,
-                },
-                f,
-                indent=1,
-            )
+        """Written whole or not at all: into a temporary file beside ``path``,
+        then renamed over it (an engine loading it meanwhile reads the old
+        table or the new one, never half of one)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(
+                    {
+                        "batch_sizes": list(self.batch_sizes),
+                        "gamma": self.gamma,
+                        "seconds": [list(r) for r in self.seconds],
+                        "measured_for": self.measured_for,
+                    },
+                    f,
+                    indent=1,
+                )
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     @classmethod
     def load(cls, path: str) -> "VerifyCostTable":

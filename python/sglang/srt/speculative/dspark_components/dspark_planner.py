@@ -235,7 +235,10 @@ class DSparkVerifyPlanner:
     one for one step: the blocks' confidence behind it is spent (the worker
     clears it), and the next plan expects the running acceptance; the step
     before the next plan reports its drafts' confidence (``wants_confidence``)
-    and is observed.
+    and is observed, and so is every ``replan_every``-th step when the batch
+    size changes sooner than that (each change plans anew, so no plan would
+    run out: requests that join and leave every few steps would never be
+    observed). An exploring drafting step holds for that one step.
     """
 
     BINS = 10
@@ -274,6 +277,7 @@ class DSparkVerifyPlanner:
         self.position_rate = [0.9] * gamma
         self._plain_streak = self._draft_streak = 0
         self._countdown, self._last = 0, (0, 0)  # steps the plan holds; (bs, budget)
+        self._since_report = 0  # steps since the last that reported confidence
         # bs -> [plain steps', drafting steps'] measured / table cost.
         self._scale: dict = {}
         self._tier_costs: dict = {}  # bs -> the table's cost per L, made once
@@ -307,9 +311,16 @@ class DSparkVerifyPlanner:
         """The budget while a plan holds for this batch size (the step uses
         it and counts down); None when it is time to plan."""
         if self._countdown > 0 and self._last[0] == bs:
+            self._tick()
             self._countdown -= 1
             return self._last[1]
         return None
+
+    def _tick(self) -> None:
+        """A new step (held or planned): counted since the last that reported."""
+        if self.wants_confidence:
+            self._since_report = 0
+        self._since_report += 1
 
     def hold(self, budget: int) -> None:
         """Hold ``budget`` for the batch size just planned: ``replan_every``
@@ -321,8 +332,9 @@ class DSparkVerifyPlanner:
 
     @property
     def wants_confidence(self) -> bool:
-        """The next step plans: this one's drafts report their confidence."""
-        return self._countdown == 0
+        """The next step plans, or ``replan_every`` steps went unreported:
+        this one's drafts report their confidence."""
+        return self._countdown == 0 or self._since_report >= self.replan_every
 
     def plan(
         self,
@@ -336,6 +348,7 @@ class DSparkVerifyPlanner:
         request's confidence is None before its first block. In a bucket of
         ``rows``, tier L verifies L * rows drafts, the real requests' first
         (``ScheduleVerifyLensTopk``): it is credited with that many gains."""
+        self._tick()
         bs, g = len(confidence), self.gamma
         rows = bs if rows is None else rows
         gains = []
@@ -364,16 +377,20 @@ class DSparkVerifyPlanner:
         # (more tokens a step, for the same throughput).
         top = max(rates)
         best = bs * max(L for L, r in enumerate(rates) if r >= (1 - self.TIE) * top)
+        explore = False
         if best == 0:
             self._plain_streak, self._draft_streak = self._plain_streak + 1, 0
             if self._plain_streak >= self.explore_every:
                 self._plain_streak, best = 0, bs  # draft once: fresh estimates
+                explore = True
         else:
             self._plain_streak, self._draft_streak = 0, self._draft_streak + 1
             if self._draft_streak >= self.explore_every:
                 self._draft_streak, best = 0, 0  # one plain step: its cost
         self._last = (bs, best)
         self.hold(best)
+        if explore:  # one step, observed (a plain step holds for one already)
+            self._countdown = 0
         return best
 
     def observe(

@@ -237,7 +237,8 @@ class DSparkWorkerV2:
             if table.measured_for != digest_of(self._cost_key()).hex():
                 raise ValueError(
                     f"cost table {path!r} was measured for another configuration "
-                    f"(model, device, threads, batch sizes or parallel layout): "
+                    f"(model, device, context, threads, batch sizes or parallel "
+                    f"layout): "
                     f"remove it to measure this one"
                 )
         else:
@@ -248,12 +249,16 @@ class DSparkWorkerV2:
         return table
 
     def _cost_key(self) -> tuple:
-        """What a cost table depends on: the step's shapes, the machine's
-        threads, graphs and the parallel layout."""
+        """What a cost table depends on: the step's shapes and the context it
+        is measured at, the device (a GPU's model), the machine's threads,
+        graphs and the parallel layout."""
         parallel = get_parallel()
+        device = torch.device(self.device)
         return (
             self.config,
-            torch.device(self.device).type,
+            device.type,
+            torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+            self._cost_context(),
             torch.get_num_threads(),
             tuple(self.graph_runner.buckets),
             self.graph_runner.use_cuda_graph,
@@ -265,13 +270,17 @@ class DSparkWorkerV2:
             parallel.moe_a2a_backend,
         )
 
+    def _cost_context(self) -> int:
+        """The keys each dummy request of the measurement attends: up to 128."""
+        width = self.window_planner.req_to_token.shape[1]
+        return max(1, min(128, width - self.gamma - 1))
+
     def _measure_cost_table(self) -> VerifyCostTable:
         """Time this worker's device step over dummy requests (a context of
         up to 128 keys, all in the scratch slot) per batch size and budget.
         Each request's anchor is a different token, so that the rows take
         the experts a real batch does, not all the same two."""
-        state, width = self.buffers.state, self.window_planner.req_to_token.shape[1]
-        context = max(1, min(128, width - self.gamma - 1))
+        state, context = self.buffers.state, self._cost_context()
         sizes = sorted({min(2**i, self.max_batch_size) for i in range(12)})
         cuda = torch.device(self.device).type == "cuda"
         anchors = torch.randint(
