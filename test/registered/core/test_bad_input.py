@@ -62,7 +62,8 @@ class TestBadRequests(CustomTestCase):
             ([1, 256], PARAMS, "token id 256"),
             ([1, 2.5], PARAMS, "token id 2.5"),
             ([True, 2], PARAMS, "token id True"),
-            ([1] * 60, PARAMS, "exceeds the KV capacity 64"),
+            ([1] * 60, PARAMS, "= 72 exceeds context_length 64"),
+            ([1] * 50, PARAMS, "= 66 exceeds the KV capacity 64"),  # the window
             ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be an int > 0, got 0"),
             ([1, 2], {"max_new_tokens": -3}, "got -3"),
             ([1, 2], {"max_new_tokens": 2.0}, "got 2.0"),
@@ -124,6 +125,15 @@ class TestBadRequests(CustomTestCase):
         self.assertEqual(len(out[0]["output_ids"]), 8)
         with self.assertRaisesRegex(ValueError, "= 21 exceeds the KV capacity 20"):
             engine.generate(input_ids=[[7] * 9], sampling_params={"max_new_tokens": 8})
+        # Plain decoding writes no window: prompt + max_new_tokens up to the
+        # context, exactly, and not one token past it.
+        plain = Engine(device="cpu", context_length=20)
+        out = plain.generate(
+            input_ids=[[7] * 8], sampling_params={"max_new_tokens": 12}
+        )
+        self.assertEqual(len(out[0]["output_ids"]), 12)
+        with self.assertRaisesRegex(ValueError, "= 21 exceeds context_length 20"):
+            plain.generate(input_ids=[[7] * 8], sampling_params={"max_new_tokens": 13})
 
     def test_running_cap_holds_with_spare_request_rows(self):
         # 8 request rows in the pool, but at most 2 may run at once.

@@ -154,8 +154,15 @@ class Scheduler:
             ids = as_token_ids(ids, vocab_size=self.vocab_size)
         except ValueError as e:
             raise ValueError(f"request {req.rid}: {e}") from None
-        need = len(ids) + req.sampling_params.max_new_tokens - 1 + self.lookahead
-        capacity = min(self.req_to_token_pool.max_context_len, self.allocator.num_slots)
+        max_new = req.sampling_params.max_new_tokens
+        context = self.req_to_token_pool.max_context_len
+        if len(ids) + max_new > context:
+            raise ValueError(
+                f"request {req.rid}: prompt of {len(ids)} tokens + max_new_tokens "
+                f"{max_new} = {len(ids) + max_new} exceeds context_length {context}"
+            )
+        need = len(ids) + max_new - 1 + self.lookahead
+        capacity = min(context, self.allocator.num_slots)
         if need > capacity:
             raise ValueError(
                 f"request {req.rid}: prompt of {len(ids)} tokens + max_new_tokens "
