@@ -69,6 +69,24 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             "output_ids": [o["output_ids"] for o in outs],
             "ids": [o["meta_info"]["id"] for o in outs],
         }
+    # A cost table file only rank 0 sees (each rank in its own folder):
+    # rank 0 would load it while rank 1 measures, running collectives alone.
+    cwd, folder = os.getcwd(), os.path.join(out_dir, f"cwd{rank}")
+    os.makedirs(folder)
+    os.chdir(folder)
+    try:
+        if rank == 0:
+            with open("table.json", "w") as f:
+                f.write("{}")
+        result["table"] = _error(
+            lambda: Engine(
+                speculative_algorithm="DSPARK",
+                speculative_dspark_sps_table_path="table.json",
+                **ARGS,
+            )
+        )
+    finally:
+        os.chdir(cwd)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -142,6 +160,12 @@ class TestExpertParallelAgreement(CustomTestCase):
             for rank in self.ranks:
                 self.assertEqual(rank[algo]["pools_whole"], [True] * 4)
                 self.assertEqual(rank[algo]["output_ids"], self.single[algo])
+
+    def test_a_cost_table_only_some_ranks_have_is_a_value_error_on_all(self):
+        for rank in self.ranks:
+            kind, message = rank["table"]
+            self.assertEqual(kind, "ValueError")
+            self.assertIn("present on some ranks only", message)
 
     def test_refused_calls_take_no_request_ids(self):
         # Ranks given different calls must still number the next agreed

@@ -49,6 +49,7 @@ import torch
 
 from sglang.srt.distributed.parallel_state import (
     all_gather_ints,
+    check_ranks_agree,
     digest_of,
     get_moe_ep_cpu_group,
 )
@@ -227,8 +228,18 @@ class DSparkWorkerV2:
 
     def _cost_table(self, path: Optional[str]) -> VerifyCostTable:
         """The measured cost table: read from ``path`` when it exists, else
-        measured here (and saved to ``path`` when given); logged."""
-        if path is not None and os.path.exists(path):
+        measured here (and saved to ``path`` when given); logged. EP ranks
+        agree first on which: measuring runs the MoE's collectives."""
+        exists = path is not None and os.path.exists(path)
+        group = get_moe_ep_cpu_group()
+        if group is not None:
+            check_ranks_agree(
+                digest=digest_of(exists),
+                group=group,
+                what=f"cost table {path!r} (present on some ranks only: every "
+                f"rank loads it or every rank measures, which runs collectives)",
+            )
+        if exists:
             table = VerifyCostTable.load(path)
             if table.gamma != self.gamma:
                 raise ValueError(
