@@ -32,13 +32,14 @@ resumed run makes the same weights as an uninterrupted one.
 """
 
 import argparse
+import json
 import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -52,6 +53,7 @@ from sglang.srt.model_loader.loader import (
     load_draft_checkpoint,
     load_target_checkpoint,
     read_config,
+    replace_dir,
     save_checkpoint,
 )
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
@@ -484,8 +486,21 @@ def export(cfg: TrainConfig, work: str, output_dir: str, heldout: List[bytes]) -
     )
     target_dir = os.path.join(output_dir, TARGET_NAME)
     draft_dir = os.path.join(output_dir, DRAFT_NAME)
-    save_checkpoint(target_dir, target=target, draft=draft)
-    save_checkpoint(draft_dir, draft=draft)
+    # Both written beside their places first, then renamed in: an interrupt
+    # leaves the old pair or the new one, not a new target beside an old
+    # draft (but for the instant between the two renames).
+    staged = [
+        os.path.join(output_dir, f".{d}.export{os.getpid()}")
+        for d in (TARGET_NAME, DRAFT_NAME)
+    ]
+    try:
+        save_checkpoint(staged[0], target=target, draft=draft)
+        save_checkpoint(staged[1], draft=draft)
+        replace_dir(staged[0], target_dir)
+        replace_dir(staged[1], draft_dir)
+    finally:
+        for d in staged:
+            shutil.rmtree(d, ignore_errors=True)
     # Report on what ships: reloaded from the written directories.
     target = load_target_checkpoint(target_dir, device="cpu")
     draft = load_draft_checkpoint(target_dir, target=target, device="cpu")
@@ -522,8 +537,37 @@ def export(cfg: TrainConfig, work: str, output_dir: str, heldout: List[bytes]) -
     return report
 
 
+def _claim_work_dir(cfg: TrainConfig, work_dir: str) -> None:
+    """The work dir's phases and snapshots are this configuration's: its
+    first run records the configuration, a rerun must match it."""
+    stamp = os.path.join(work_dir, "train_config.json")
+    mine = json.loads(json.dumps(asdict(cfg)))  # as read back: lists, not tuples
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            theirs = json.load(f)
+        if theirs != mine:
+            diff = {
+                k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v
+            }
+            raise ValueError(
+                f"--work-dir {work_dir} holds a run of another configuration "
+                f"(field: (theirs, this run's) {diff}): pass --restart to clear "
+                f"it, or another --work-dir"
+            )
+        return
+    if os.listdir(work_dir):
+        raise ValueError(
+            f"--work-dir {work_dir} holds files of a run whose configuration is "
+            f"not recorded: pass --restart to clear it, or another --work-dir"
+        )
+    with open(stamp + ".tmp", "w") as f:
+        json.dump(mine, f, indent=1)
+    os.replace(stamp + ".tmp", stamp)
+
+
 def run(*, cfg: TrainConfig, work_dir: str, output_dir: str, phases=PHASES) -> Dict:
     os.makedirs(work_dir, exist_ok=True)
+    _claim_work_dir(cfg, work_dir)
     corpus = load_stdlib_corpus()
     train_files = corpus.read("train")
     outputs = {
@@ -587,7 +631,11 @@ def main(argv=None) -> int:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
             cfg = replace(cfg, **{name: getattr(args, name)})
     if args.num_threads is not None:
+        if args.num_threads < 1:
+            p.error("--num-threads must be >= 1")
         torch.set_num_threads(args.num_threads)
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        p.error(f"--output-dir {args.output_dir} exists and is not a directory")
     work = args.work_dir or os.path.join(
         tempfile.gettempdir(),
         f"sglang_train_tiny_pair_s{cfg.seed}_t{cfg.target_steps}_d{cfg.draft_steps}"
@@ -597,7 +645,13 @@ def main(argv=None) -> int:
         shutil.rmtree(work)
     print(f"work dir: {work}; output dir: {args.output_dir}", flush=True)
     start = time.perf_counter()
-    report = run(cfg=cfg, work_dir=work, output_dir=args.output_dir, phases=args.phases)
+    try:
+        report = run(
+            cfg=cfg, work_dir=work, output_dir=args.output_dir, phases=args.phases
+        )
+    except ValueError as e:
+        print(f"train_tiny_pair: error: {e}", file=sys.stderr)
+        return 2
     if "export" in args.phases:
         print(format_report(report))
         for d, size in report["bytes"].items():

@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import unittest
+from unittest import mock
 
 import torch
 
@@ -234,6 +235,37 @@ class TestTrainTinyPair(CustomTestCase):
         self.assertIn("draft: resuming at step", log)
         self.assertEqual(_weights(out), first)
 
+        # A work dir is one configuration's: another seed is refused (it
+        # would reuse the phases, or resume the snapshots, of this one).
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            rc = main(
+                ["--tiny", "--seed", "1", "--output-dir", out, "--work-dir", work]
+            )
+        self.assertEqual(rc, 2)
+        self.assertIn("holds a run of another configuration", err.getvalue())
+        self.assertIn("'seed': (0, 1)", err.getvalue())
+        self.assertEqual(_weights(out), first)
+
+        # A save cut short (here: the export's second checkpoint, after the
+        # first wrote its file) leaves the pair that was there, and no
+        # half-written folder beside it.
+        def save_file(tensors, path, metadata=None):
+            if not written:
+                written.append(path)
+                with open(path, "wb") as f:
+                    f.write(b"another target")
+                return
+            raise KeyboardInterrupt
+
+        written = []
+        with mock.patch("safetensors.torch.save_file", save_file):
+            with self.assertRaises(KeyboardInterrupt):
+                _run("--output-dir", out, "--work-dir", work, "--phases", "export")
+        self.assertEqual(len(written), 1)
+        self.assertEqual(_weights(out), first)
+        self.assertEqual(sorted(os.listdir(out)), sorted([TARGET_NAME, DRAFT_NAME]))
+
     def test_markov_rank_reaches_the_checkpoint(self):
         out, work = self._dirs("rank")
         _run("--output-dir", out, "--work-dir", work, "--markov-rank", "8")
@@ -249,13 +281,21 @@ class TestTrainTinyPair(CustomTestCase):
         self.assertEqual(draft.markov_w2.weight.shape, (256, 8))
 
     def test_bad_steps_are_rejected(self):
-        for flag in ("--target-steps", "--draft-steps", "--markov-rank"):
+        a_file = os.path.join(self.root, "a_file")
+        open(a_file, "w").close()
+        for flag, value in (
+            ("--target-steps", "0"),
+            ("--draft-steps", "0"),
+            ("--markov-rank", "0"),
+            ("--num-threads", "0"),
+            ("--output-dir", a_file),  # refused before any training
+        ):
             with (
                 self.subTest(flag=flag),
                 self.assertRaises(SystemExit),
                 contextlib.redirect_stderr(io.StringIO()),
             ):
-                main(["--tiny", flag, "0"])
+                main(["--tiny", flag, value])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ is a ValueError naming the file and the field or tensor.
 import json
 import os
 import re
+import shutil
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -372,7 +373,9 @@ def save_checkpoint(
     target: Optional[TinyMoEForCausalLM] = None,
     draft: Optional[DSparkDraftModel] = None,
 ) -> None:
-    """Write a target (bundling ``draft`` when given) or a draft-only checkpoint."""
+    """Write a target (bundling ``draft`` when given) or a draft-only
+    checkpoint, whole or not at all (``replace_dir``): a reader, or a rerun
+    that checks whether it exists, never finds half of one."""
     from safetensors.torch import save_file
 
     if target is None and draft is None:
@@ -396,8 +399,37 @@ def save_checkpoint(
         config.update(dspark_fields(draft.config))
         tensors.update(_stored(draft, prefix=DRAFT_PREFIX, skip=_SHARED))
     config["torch_dtype"] = str(STORAGE_DTYPE).removeprefix("torch.")
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    save_file(tensors, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+    staging = _staging(path)
+    try:
+        os.makedirs(staging)
+        with open(os.path.join(staging, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        save_file(
+            tensors, os.path.join(staging, WEIGHTS_NAME), metadata={"format": "pt"}
+        )
+        replace_dir(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging(path: str) -> str:
+    """A fresh folder beside ``path`` (the same file system: renames work)."""
+    path = os.path.normpath(path)
+    return os.path.join(
+        os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp{os.getpid()}"
+    )
+
+
+def replace_dir(src: str, dst: str) -> None:
+    """Put the folder ``src`` at ``dst`` by renames: ``dst`` is its old
+    contents, missing for an instant, or ``src``'s, never a mix."""
+    old = None
+    if os.path.lexists(dst):
+        if not os.path.isdir(dst):
+            raise ValueError(f"{dst!r} exists and is not a directory")
+        old = _staging(dst) + ".old"
+        os.rename(dst, old)
+    os.rename(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
