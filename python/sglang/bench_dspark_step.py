@@ -72,6 +72,7 @@ from sglang.srt.layers.moe.topk import select_experts
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components import dspark_draft
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
+from sglang.srt.utils.common import is_finite
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 
@@ -833,8 +834,8 @@ def main(argv=None) -> int:
         args.device = "cpu"
     if args.enable_dp_attention and args.ep_size < 2:
         p.error("--enable-dp-attention needs --ep-size 2 or more")
-    if args.ep_timeout <= 0:
-        p.error("--ep-timeout must be > 0 seconds")
+    if not (is_finite(args.ep_timeout) and args.ep_timeout > 0):
+        p.error("--ep-timeout must be finite and > 0 seconds")
     if args.profile_steps < 1:
         p.error("--profile-steps must be >= 1")
     bench_plots.check_json_path(p, args.json)

@@ -27,7 +27,7 @@ from typing import Dict
 
 import torch
 
-from sglang import Engine
+from sglang import Engine, bench_plots
 from sglang.bench_stats import median_ratio
 from sglang.srt.layers.sampler import SamplingMode
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
@@ -43,7 +43,12 @@ def probe(*, temperature: float, batch_size: int, trials: int, seed: int = 0) ->
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    engine = Engine(speculative_algorithm="DSPARK", device="cpu")
+    engine = Engine(
+        speculative_algorithm="DSPARK",
+        device="cpu",
+        max_running_requests=max(8, batch_size),
+        max_total_tokens=max(4096, 64 * batch_size),
+    )
     worker, rng = engine.worker, random.Random(seed)
     for i in range(batch_size):
         prompt = [rng.randrange(3, 200) for _ in range(16)]
@@ -94,15 +99,20 @@ def probe(*, temperature: float, batch_size: int, trials: int, seed: int = 0) ->
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--trials", type=int, default=400)
     p.add_argument("--json", default=None, help="write the figures here")
-    args = p.parse_args()
-    if args.trials < 10 or args.batch_size < 1 or args.temperature < 0:
-        p.error("needs --trials >= 10, --batch-size >= 1, --temperature >= 0")
+    args = p.parse_args(argv)
+    if args.trials < 10 or args.batch_size < 1:
+        p.error("needs --trials >= 10, --batch-size >= 1")
+    try:  # the engine's own rule for a temperature
+        SamplingParams(max_new_tokens=1, temperature=args.temperature)
+    except ValueError as e:
+        p.error(f"--temperature: {e}")
+    bench_plots.check_json_path(p, args.json)
     out = probe(
         temperature=args.temperature, batch_size=args.batch_size, trials=args.trials
     )

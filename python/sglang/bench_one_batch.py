@@ -44,7 +44,9 @@ forwards cost time (this run's tokens per step over their cost), a bound
 no change outside the forwards can pass. On CUDA it needs
 ``--disable-cuda-graph`` (a graph replay runs no span), and each phase is
 synchronized before and after, which serializes launches: a breakdown,
-not a step time. ``--json`` is written after every row.
+not a step time. ``--json F`` is written after every row, to ``F.partial``,
+renamed to ``F`` when the run ends: an interrupted run keeps its finished
+rows, in a file that does not pass for a whole run.
 
 Data-parallel attention, one process per rank, as upstream launches it:
 
@@ -673,16 +675,21 @@ def main(argv=None) -> int:
     bench_plots.check_json_path(p, args.json)
     bench_plots.prepare_plot_dir(p, args.plot_dir)
 
+    partial = f"{args.json}.partial"
+
     def write_json(rows: List[Dict]) -> None:  # after each row: none is lost
         if args.json:
-            with open(args.json, "w") as f:
+            with open(partial + ".tmp", "w") as f:
                 json.dump(rows, f, indent=2)
+            os.replace(partial + ".tmp", partial)
 
     try:
         rows = run(args, on_row=write_json)
     except ValueError as e:  # e.g. a model path or a length the engine refuses
         print(f"bench_one_batch: error: {e}", file=sys.stderr)
         return 2
+    if args.json and os.path.exists(partial):  # the run is whole: its name
+        os.replace(partial, args.json)
     if not dist.is_initialized() or dist.get_rank() == 0:
         if args.json:
             print(f"wrote {args.json}")

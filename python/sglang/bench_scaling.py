@@ -82,6 +82,7 @@ from sglang.srt.models.dspark import (
 )
 from sglang.srt.models.registry import DEFAULT_MODEL_PATH, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.srt.utils.common import is_finite
 from sglang.srt.utils.op_counter import OpCounter
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_configs")
@@ -1553,16 +1554,20 @@ def main(argv=None) -> int:
     hardware = (args.bandwidth_gbs, args.peak_tflops, args.op_overhead_us)
     if any(v is not None for v in hardware) and None in hardware:
         p.error("--bandwidth-gbs, --peak-tflops and --op-overhead-us go together")
-    if any(v is not None and v <= 0 for v in hardware):
-        p.error("hardware figures must be > 0")
-    if args.scalar_us is not None and args.scalar_us < 0:
-        p.error("--scalar-us must be >= 0")
+    if any(v is not None and not (is_finite(v) and v > 0) for v in hardware):
+        p.error("hardware figures must be finite and > 0")
+    if args.scalar_us is not None and not (
+        is_finite(args.scalar_us) and args.scalar_us >= 0
+    ):
+        p.error("--scalar-us must be finite and >= 0")
     if min(args.batch_size) < 1 or min(args.context) < 1:
         p.error("--batch-size and --context values must be >= 1")
     if args.turns < 3 or args.block_steps < 1:
         p.error("--turns must be >= 3 (an interval needs 3 pairs), --block-steps >= 1")
-    if args.max_measure_mb <= 0 or args.max_prefill_tokens < 1:
-        p.error("--max-measure-mb and --max-prefill-tokens must be > 0")
+    if not (is_finite(args.max_measure_mb) and args.max_measure_mb > 0):
+        p.error("--max-measure-mb must be finite and > 0")
+    if args.max_prefill_tokens < 1:
+        p.error("--max-prefill-tokens must be > 0")
     args.batch_size = sorted(set(args.batch_size))
     args.context = sorted(set(args.context))
     bench_plots.check_json_path(p, args.json)

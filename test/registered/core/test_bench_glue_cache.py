@@ -1,8 +1,10 @@
 """bench_glue_cache times the engine's own accept phase warm and cold."""
 
+import contextlib
+import io
 import unittest
 
-from sglang.bench_glue_cache import probe
+from sglang.bench_glue_cache import main, probe
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -34,6 +36,20 @@ class TestGlueCacheProbe(CustomTestCase):
             args = dict(temperature=1.0, batch_size=1, trials=12) | kwargs
             with self.subTest(**kwargs), self.assertRaisesRegex(ValueError, message):
                 probe(**args)
+        # The command line refuses before the run what the run would not
+        # take, or could not save.
+        for argv, says in (
+            (["--temperature", "nan"], "--temperature"),
+            (["--temperature", "1e31"], "--temperature"),
+            (["--json", "/nonexistent-folder/out.json"], "does not exist"),
+            (["--batch-size", "0"], "--batch-size"),
+        ):
+            err = io.StringIO()
+            with self.subTest(argv=argv), contextlib.redirect_stderr(err):
+                with self.assertRaises(SystemExit) as caught:
+                    main(argv)
+                self.assertEqual(caught.exception.code, 2)
+                self.assertIn(says, err.getvalue())
 
 
 if __name__ == "__main__":

@@ -384,7 +384,8 @@ class TestBenchOneBatch(CustomTestCase):
         self.assertIn("bench_one_batch: error: unknown model path", err.getvalue())
 
     def test_the_json_keeps_the_rows_before_a_failing_one(self):
-        # The JSON is written after every row: a failure later loses none.
+        # The JSON is written after every row, to F.partial: a failure later
+        # loses none, and leaves no F that passes for a whole run.
         real_format, calls = bench_one_batch._format, []
 
         def format_then_fail(row, engines):
@@ -404,8 +405,10 @@ class TestBenchOneBatch(CustomTestCase):
                 self.assertRaises(KeyboardInterrupt),
             ):
                 bench_one_batch.main(argv)
-            with open(path) as f:
+            self.assertFalse(os.path.exists(path))
+            with open(path + ".partial") as f:
                 rows = json.load(f)
+            self.assertEqual(os.listdir(d), ["bench.json.partial"])
         self.assertEqual([r["batch_size"] for r in rows], [1])
 
     def test_torchrun_with_dp_attention(self):

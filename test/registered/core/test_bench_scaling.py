@@ -182,6 +182,12 @@ class TestConfigs(CustomTestCase):
                 (["--turns", "2"], "--turns"),
                 (["--batch-size", "0"], "--batch-size"),
                 (["--bandwidth-gbs", "4800"], "go together"),
+                (
+                    ["--bandwidth-gbs", "nan", "--peak-tflops", "1"]
+                    + ["--op-overhead-us", "1"],
+                    "finite and > 0",
+                ),
+                (["--max-measure-mb", "nan"], "--max-measure-mb"),
                 (["--json", missing], "does not exist"),
                 (["--config", os.path.join(d, "none.json")], "no such config"),
                 (["--config", MOE_S, MOE_S], "a second config"),
