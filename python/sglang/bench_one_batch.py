@@ -678,7 +678,9 @@ def main(argv=None) -> int:
     partial = f"{args.json}.partial"
 
     def write_json(rows: List[Dict]) -> None:  # after each row: none is lost
-        if args.json:
+        if args.json:  # (the printing rank's rows: rank 0's under DP)
+            if len(rows) == 1 and os.path.exists(args.json):
+                os.remove(args.json)  # an earlier run's: not beside this one
             with open(partial + ".tmp", "w") as f:
                 json.dump(rows, f, indent=2)
             os.replace(partial + ".tmp", partial)
@@ -688,10 +690,9 @@ def main(argv=None) -> int:
     except ValueError as e:  # e.g. a model path or a length the engine refuses
         print(f"bench_one_batch: error: {e}", file=sys.stderr)
         return 2
-    if args.json and os.path.exists(partial):  # the run is whole: its name
-        os.replace(partial, args.json)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        if args.json:
+        if args.json:  # the run is whole: its name
+            os.replace(partial, args.json)
             print(f"wrote {args.json}")
         if args.plot_dir is not None:
             paths = [bench_plots.speedup_plot(rows, args.plot_dir)]

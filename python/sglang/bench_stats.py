@@ -42,10 +42,10 @@ def _check(pairs: Sequence[Tuple[float, float]]) -> None:
     if not pairs:
         raise ValueError("no pairs")
     for a, b in pairs:
-        if not (0 < a < math.inf and 0 < b < math.inf and math.isfinite(b / a)):
+        if not (0 < a < math.inf and 0 < b < math.inf and 0 < b / a < math.inf):
             raise ValueError(
                 f"every measurement must be finite and > 0, and their ratio "
-                f"finite, got {a!r}, {b!r}"
+                f"finite and > 0, got {a!r}, {b!r}"
             )
 
 

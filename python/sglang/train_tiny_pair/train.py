@@ -489,18 +489,16 @@ def export(cfg: TrainConfig, work: str, output_dir: str, heldout: List[bytes]) -
     # Both written beside their places first, then renamed in: an interrupt
     # leaves the old pair or the new one, not a new target beside an old
     # draft (but for the instant between the two renames).
-    staged = [
-        os.path.join(output_dir, f".{d}.export{os.getpid()}")
-        for d in (TARGET_NAME, DRAFT_NAME)
-    ]
+    os.makedirs(output_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export.", dir=output_dir)
     try:
+        staged = [os.path.join(staging, d) for d in (TARGET_NAME, DRAFT_NAME)]
         save_checkpoint(staged[0], target=target, draft=draft)
         save_checkpoint(staged[1], draft=draft)
         replace_dir(staged[0], target_dir)
         replace_dir(staged[1], draft_dir)
     finally:
-        for d in staged:
-            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
     # Report on what ships: reloaded from the written directories.
     target = load_target_checkpoint(target_dir, device="cpu")
     draft = load_draft_checkpoint(target_dir, target=target, device="cpu")
@@ -555,6 +553,8 @@ def _claim_work_dir(cfg: TrainConfig, work_dir: str) -> None:
                 f"it, or another --work-dir"
             )
         return
+    if os.path.exists(stamp + ".tmp"):  # a first run cut short right here
+        os.remove(stamp + ".tmp")
     if os.listdir(work_dir):
         raise ValueError(
             f"--work-dir {work_dir} holds files of a run whose configuration is "

@@ -73,7 +73,12 @@ class Engine:
             )
         self.server_args = args = ServerArgs(**kwargs)
         self._check_group = self._init_expert_parallel(args)
-        self._device = device = torch.device(args.device)
+        device = torch.device(args.device)
+        if device.type == "cuda" and device.index is None:
+            # Which device "cuda" is, fixed now: later calls enter it again
+            # whatever device is current then.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)  # process-wide, as torch has it
         if device.type == "cuda" and device.index is not None:
@@ -232,21 +237,23 @@ class Engine:
         if world == 1:
             destroy_model_parallel()
             return None
-        parallel = init_parallel_from_distributed(
+        # Before any group is built: the MoE's all-reduce runs inside the
+        # captured step, and a graph captures NCCL's kernels; gloo's CUDA
+        # collectives go through the host.
+        config = dist.get_backend_config()  # e.g. "cpu:gloo,cuda:nccl"
+        by_device = dict(p.split(":", 1) for p in config.split(",") if ":" in p)
+        if args.use_cuda_graph and by_device.get("cuda") != "nccl":
+            raise ValueError(
+                f"expert parallelism over {world} ranks with CUDA graphs needs "
+                f"CUDA collectives on nccl, but torch.distributed runs them as "
+                f"{config!r}: initialize it with nccl (or no backend named), or "
+                f"pass disable_cuda_graph=True"
+            )
+        init_parallel_from_distributed(
             attn_dp_size=args.dp_size,
             moe_a2a_backend=args.moe_a2a_backend,
             timeout_s=args.dist_timeout,
         )
-        backend = dist.get_backend(parallel.moe_ep_group)
-        if args.use_cuda_graph and backend != "nccl":
-            # The MoE's all-reduce runs inside the captured step: a graph
-            # captures NCCL's kernels; gloo's goes through the host.
-            raise ValueError(
-                f"expert parallelism over {world} ranks with CUDA graphs needs "
-                f"the nccl backend, but torch.distributed was initialized with "
-                f"{backend!r}: initialize it with nccl, or pass "
-                f"disable_cuda_graph=True"
-            )
         group = get_moe_ep_cpu_group()
         check_ranks_agree(
             digest=_config_digest(args),

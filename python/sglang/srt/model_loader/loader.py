@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -375,7 +376,8 @@ def save_checkpoint(
 ) -> None:
     """Write a target (bundling ``draft`` when given) or a draft-only
     checkpoint, whole or not at all (``replace_dir``): a reader, or a rerun
-    that checks whether it exists, never finds half of one."""
+    that checks whether it exists, never finds half of one. The folder is
+    replaced: files of other names in it go too."""
     from safetensors.torch import save_file
 
     if target is None and draft is None:
@@ -401,7 +403,6 @@ def save_checkpoint(
     config["torch_dtype"] = str(STORAGE_DTYPE).removeprefix("torch.")
     staging = _staging(path)
     try:
-        os.makedirs(staging)
         with open(os.path.join(staging, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
@@ -414,22 +415,25 @@ def save_checkpoint(
 
 
 def _staging(path: str) -> str:
-    """A fresh folder beside ``path`` (the same file system: renames work)."""
+    """A new, empty folder of its own beside ``path`` (the same file system,
+    so renames work; unique to this call, whatever thread or process)."""
     path = os.path.normpath(path)
-    return os.path.join(
-        os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp{os.getpid()}"
-    )
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=parent)
 
 
 def replace_dir(src: str, dst: str) -> None:
     """Put the folder ``src`` at ``dst`` by renames: ``dst`` is its old
     contents, missing for an instant, or ``src``'s, never a mix."""
+    if os.path.islink(dst):
+        raise ValueError(f"{dst!r} is a symlink: give the folder it points to")
     old = None
     if os.path.lexists(dst):
         if not os.path.isdir(dst):
             raise ValueError(f"{dst!r} exists and is not a directory")
-        old = _staging(dst) + ".old"
+        old = os.path.join(_staging(dst), "old")
         os.rename(dst, old)
     os.rename(src, dst)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(old), ignore_errors=True)

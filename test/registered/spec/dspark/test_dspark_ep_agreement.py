@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from sglang import Engine
 from sglang.srt.distributed.parallel_state import init_distributed_environment
+from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, spawn_ranks
 
@@ -96,6 +97,7 @@ def _cuda_graph_rank_main(rank: int, world: int, port: int, out_dir: str) -> Non
     torch.set_num_threads(1)
     init_distributed_environment(rank=rank, world_size=world, port=port, timeout_s=30)
     result = {"graphs": _error(lambda: Engine(device="cuda", max_running_requests=4))}
+    result["no_groups_left"] = get_parallel().moe_ep_group is None
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -109,8 +111,9 @@ class TestExpertParallelCudaGraphsNeedNccl(CustomTestCase):
         for rank in spawn_ranks(_cuda_graph_rank_main, world_size=2):
             kind, message = rank["graphs"]
             self.assertEqual(kind, "ValueError")
-            self.assertIn("needs the nccl backend", message)
-            self.assertIn("'gloo'", message)
+            self.assertIn("needs CUDA collectives on nccl", message)
+            self.assertIn("cuda:gloo", message)
+            self.assertTrue(rank["no_groups_left"])  # refused before building
 
 
 class TestExpertParallelAgreement(CustomTestCase):

@@ -17,6 +17,7 @@ import bisect
 import json
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Sequence, Tuple
@@ -80,9 +81,11 @@ class VerifyCostTable:
         """Written whole or not at all: into a temporary file beside ``path``,
         then renamed over it (an engine loading it meanwhile reads the old
         table or the new one, never half of one)."""
-        tmp = f"{path}.tmp{os.getpid()}"
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path) or "."
+        )
         try:
-            with open(tmp, "w") as f:
+            with os.fdopen(fd, "w") as f:
                 json.dump(
                     {
                         "batch_sizes": list(self.batch_sizes),

@@ -238,7 +238,9 @@ class DSparkVerifyPlanner:
     and is observed, and so is every ``replan_every``-th step when the batch
     size changes sooner than that (each change plans anew, so no plan would
     run out: requests that join and leave every few steps would never be
-    observed). An exploring drafting step holds for that one step.
+    observed). An exploring drafting step holds for that one step; under
+    EP without DP attention the ranks hold what they agreed on instead
+    (``hold``), so that they plan, and all-gather, on the same steps.
     """
 
     BINS = 10
@@ -344,7 +346,8 @@ class DSparkVerifyPlanner:
         rows: Optional[int] = None,  # the step's bucket (None: bs, unpadded)
     ) -> int:
         """A new plan: the budget (drafts to verify in all, a multiple of bs)
-        for this step and the ``replan_every - 1`` after it (``held``). A
+        for this step and the ``replan_every - 1`` after it (``held``; none
+        after a plain or an exploring one). A
         request's confidence is None before its first block. In a bucket of
         ``rows``, tier L verifies L * rows drafts, the real requests' first
         (``ScheduleVerifyLensTopk``): it is credited with that many gains."""
