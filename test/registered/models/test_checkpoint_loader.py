@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import unittest
 
 import torch
@@ -133,6 +134,33 @@ class TestCheckpointLoader(CustomTestCase):
                 load_target_checkpoint(path, device="cpu")
         for needle in needles:
             self.assertIn(needle, str(ctx.exception))
+
+    def test_saves_replace_the_folder_whole(self):
+        # Two threads saving one path (each stages in a folder of its own):
+        # both finish, the folder loads, and no staging folder is left.
+        parent = tempfile.mkdtemp(dir=self.root)
+        path = os.path.join(parent, "ck")
+        errors = []
+
+        def save():
+            try:
+                save_checkpoint(path, draft=self.draft)
+            except Exception as e:  # noqa: BLE001 - collected, asserted empty
+                errors.append(e)
+
+        threads = [threading.Thread(target=save) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(os.listdir(parent), ["ck"])
+        load_draft_checkpoint(path, target=self.target, device="cpu")
+        # A symlinked folder is refused (a rename would replace the link).
+        link = os.path.join(parent, "link")
+        os.symlink(path, link)
+        with self.assertRaisesRegex(ValueError, "is a symlink"):
+            save_checkpoint(link, draft=self.draft)
 
     def test_missing_files(self):
         self._assert_load_error(

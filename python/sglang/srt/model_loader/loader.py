@@ -13,6 +13,7 @@ Weights are stored in bf16 and cast to the run dtype on load. Every problem
 is a ValueError naming the file and the field or tensor.
 """
 
+import errno
 import json
 import os
 import re
@@ -426,14 +427,22 @@ def _staging(path: str) -> str:
 def replace_dir(src: str, dst: str) -> None:
     """Put the folder ``src`` at ``dst`` by renames: ``dst`` is its old
     contents, missing for an instant, or ``src``'s, never a mix."""
-    if os.path.islink(dst):
-        raise ValueError(f"{dst!r} is a symlink: give the folder it points to")
-    old = None
-    if os.path.lexists(dst):
-        if not os.path.isdir(dst):
-            raise ValueError(f"{dst!r} exists and is not a directory")
-        old = os.path.join(_staging(dst), "old")
-        os.rename(dst, old)
-    os.rename(src, dst)
-    if old is not None:
-        shutil.rmtree(os.path.dirname(old), ignore_errors=True)
+    olds = []
+    try:
+        while True:  # another writer may put a folder back between the renames
+            if os.path.islink(dst):
+                raise ValueError(f"{dst!r} is a symlink: give the folder it points to")
+            if os.path.lexists(dst):
+                if not os.path.isdir(dst):
+                    raise ValueError(f"{dst!r} exists and is not a directory")
+                olds.append(_staging(dst))
+                os.rename(dst, os.path.join(olds[-1], "old"))
+            try:
+                os.rename(src, dst)
+                return
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+    finally:
+        for old in olds:
+            shutil.rmtree(old, ignore_errors=True)
