@@ -258,17 +258,38 @@ class TestGroupedExperts(CustomTestCase):
 
     def test_both_paths_are_differentiable(self):
         # The in-place activation is for inference: with autograd on, both
-        # paths keep the gates the backward needs, and their gradients are
-        # the expert loop's.
+        # paths keep the gates the backward needs, and their gradients (the
+        # input's, the router's and the experts' weights') are the expert
+        # loop's; the weights' too after an update (the layouts follow).
         for dense in (True, False):
             with self.subTest(dense=dense):
                 moe = _moe(8, 2, dense=dense)
                 x = _inputs(moe, 9)[0].requires_grad_(True)
-                grad = torch.autograd.grad(moe(x).square().sum(), x)[0]
-                topk = select_experts(router_logits=moe.gate(x), top_k=2)
-                ref = _reference(moe, x, topk)
-                ref = torch.autograd.grad(ref.square().sum(), x)[0]
-                torch.testing.assert_close(grad, ref, **DENSE_TOL)
+                wrt = [x, moe.gate.weight, moe.w13, moe.w2]
+                for update in range(2):
+                    grads = torch.autograd.grad(moe(x).square().sum(), wrt)
+                    topk = select_experts(router_logits=moe.gate(x), top_k=2)
+                    ref = _reference(moe, x, topk)
+                    refs = torch.autograd.grad(ref.square().sum(), wrt)
+                    for got, want in zip(grads, refs):
+                        torch.testing.assert_close(got, want, **DENSE_TOL)
+                    with torch.no_grad():  # an optimizer's step, in place
+                        moe.w13.sub_(0.01 * grads[2])
+                        moe.w2.sub_(0.01 * grads[3])
+
+    def test_sizes_the_grouped_matmul_refuses_run_dense(self):
+        # torch._grouped_mm on the CPU needs 16-byte row strides: an
+        # intermediate size of 30 floats (120 bytes) takes the dense path
+        # at any row count, and gives the loop's result.
+        moe = EPMoE(hidden_size=HIDDEN, intermediate_size=30, num_experts=8, top_k=2)
+        init_random_weights(moe, seed=0)
+        moe.dense_max_row_experts = -1  # the grouped path wherever it can run
+        x, _, topk = _inputs(moe, 48)
+        with torch.no_grad():
+            out = moe(x)
+            ref = _reference(moe, x, topk)
+        self.assertFalse(moe._grouped_ok)
+        torch.testing.assert_close(out, ref, **DENSE_TOL)
 
     def test_both_paths_agree(self):
         for rows, n in ((6, None), (9, 5), (48, 40)):

@@ -17,7 +17,10 @@ share of the rows it gets, the same function:
 - grouped (eager CPU, more rows): (row, expert) pairs sorted by expert once,
   then one grouped matmul per projection (``torch._grouped_mm``: each
   expert's weights on its own rows only), bitwise equal to a loop over
-  experts. Padded rows and other ranks' pairs sort last and are never
+  experts in float32 (in a narrower dtype the one scatter-add rounds each
+  row's sum once, where a loop rounds after every expert); sizes whose rows
+  are not 16-byte multiples, which the grouped matmul refuses, run dense.
+  Padded rows and other ranks' pairs sort last and are never
   computed: one host read of how many pairs are this rank's, made only
   when there can be others (EP > 1 or masked rows); their output is
   exactly 0. Past the threshold the dense path's E_local / top_k times
@@ -92,6 +95,9 @@ class EPMoE(nn.Module):
         self._derived_from: Tuple[torch.UntypedStorage, ...] = ()
         self._grouped_experts: Tuple[torch.Tensor, ...] = ()
         self._all_experts: Tuple[torch.Tensor, ...] = ()
+        # torch._grouped_mm on the CPU needs every row stride (H, I, 2I
+        # elements) a multiple of 16 bytes; other sizes take the dense path.
+        self._grouped_ok = True
 
     def load_full_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Take this rank's slice of the full expert weights (every rank has all)."""
@@ -111,23 +117,40 @@ class EPMoE(nn.Module):
         if self._derived_key == key:
             return
         self._derived_from = (w13.untyped_storage(), w2.untyped_storage())
-        w13, w2 = w13.detach(), w2.detach()
+        self._grouped_experts, self._all_experts = self._layouts(
+            w13.detach(), w2.detach()
+        )
+        row_sizes = (w13.shape[-1], self.intermediate_size)
+        self._grouped_ok = all(n * w13.element_size() % 16 == 0 for n in row_sizes)
+        self._derived_key = key
+
+    def _layouts(self, w13: torch.Tensor, w2: torch.Tensor):
+        """The weights as each path multiplies them. Grouped: [E_local, H,
+        2I] and [E_local, I, H], transposed views, multiplied as F.linear
+        multiplies (x @ W.t(): bitwise its results). Dense: all local experts
+        side by side, copied: w13 as [H, 2 * E_local * I] (every gate, then
+        every up: each half of the product is one contiguous block per row),
+        w2 as [E_local * I, H]."""
         inter, hidden = self.intermediate_size, w13.shape[-1]
-        # Grouped path: [E_local, H, 2I] and [E_local, I, H], transposed views
-        # of the weights, multiplied as F.linear multiplies (x @ W.t():
-        # bitwise its results).
-        self._grouped_experts = (w13.transpose(1, 2), w2.transpose(1, 2))
-        # Dense path: all local experts side by side, copied once. w13 as
-        # [H, 2 * E_local * I] (every gate, then every up: each half of the
-        # product is one contiguous block per row), w2 as [E_local * I, H].
         gates_ups = torch.cat(
             (w13[:, :inter].reshape(-1, hidden), w13[:, inter:].reshape(-1, hidden))
         )
-        self._all_experts = (
+        return (w13.transpose(1, 2), w2.transpose(1, 2)), (
             gates_ups.t(),
             w2.transpose(1, 2).reshape(-1, hidden).contiguous(),
         )
-        self._derived_key = key
+
+    def _weights(self, dense: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The path's weights: the cached layouts (made without autograd),
+        or, when the experts' weights train, made from them this forward so
+        that their gradients reach them."""
+        if torch.is_grad_enabled() and (
+            self.w13.requires_grad or self.w2.requires_grad
+        ):
+            grouped, all_experts = self._layouts(self.w13, self.w2)
+        else:
+            grouped, all_experts = self._grouped_experts, self._all_experts
+        return all_experts if dense else grouped
 
     def forward(
         self, x: torch.Tensor, num_token_non_padded=None, forward_batch=None
@@ -157,6 +180,7 @@ class EPMoE(nn.Module):
         if (
             x.is_cuda
             or torch.compiler.is_compiling()
+            or not self._grouped_ok
             or x.shape[0] * self.num_local <= self.dense_max_row_experts
         ):
             return self._forward_dense(x, topk, masked=masked)
@@ -190,7 +214,7 @@ class EPMoE(nn.Module):
         result is the routed experts' weighted sum (rounded differently from
         the grouped path, not a different function)."""
         num_rows, width = x.shape[0], self.num_local * self.intermediate_size
-        w13, w2 = self._all_experts
+        w13, w2 = self._weights(dense=True)
         weights = self._routing_weights(topk, masked=masked)  # [T, E_local]
         h = torch.mm(x, w13)  # [T, 2 * E_local * I]: gates, then ups
         # In h's gate half: [T, E_local * I], a strided view (mm reads it as
@@ -205,7 +229,7 @@ class EPMoE(nn.Module):
         """xs: [R, H], grouped by expert; offs: [E_local] int32, each
         group's end (the last is R). Local expert e multiplies rows
         offs[e - 1]:offs[e], F.linear's arithmetic per group."""
-        w13, w2 = self._grouped_experts
+        w13, w2 = self._weights(dense=False)
         inter = self.intermediate_size
         h = torch._grouped_mm(xs, w13, offs=offs)  # [R, 2I]: gates, then ups
         # In h's gates (out of place where autograd needs them), as dense.
