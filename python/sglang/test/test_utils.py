@@ -56,6 +56,24 @@ def record_decode_batch_sizes(engine) -> Iterator[List[int]]:
         del engine.worker.decode_step
 
 
+def queue_requests(scheduler, prompts, *, max_new_tokens: int, first_rid: int):
+    """``Req``s of ``prompts`` (greedy, ``max_new_tokens`` each, ids from
+    ``first_rid``) added to ``scheduler``'s queue; returned in order."""
+    from sglang.srt.managers.schedule_batch import Req, SamplingParams
+
+    reqs = [
+        Req(
+            rid=first_rid + i,
+            origin_input_ids=ids,
+            sampling_params=SamplingParams(max_new_tokens),
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    for r in reqs:
+        scheduler.add_request(r)
+    return reqs
+
+
 def spawn_ranks(rank_main, *, world_size: int = 2) -> List[dict]:
     """Run ``rank_main(rank, world_size, port, out_dir)`` on ``world_size``
     local processes (a free port for their group); each writes

@@ -14,7 +14,11 @@ from sglang import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
+from sglang.test.test_utils import (
+    CustomTestCase,
+    queue_requests,
+    record_decode_batch_sizes,
+)
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -186,12 +190,7 @@ class TestBadRequests(CustomTestCase):
 
     def test_rejected_mid_flight_leaves_running_requests_alone(self):
         sched = self.engine.scheduler
-        reqs = [
-            Req(rid=100 + i, origin_input_ids=ids, sampling_params=SamplingParams(12))
-            for i, ids in enumerate(GOOD)
-        ]
-        for r in reqs:
-            sched.add_request(r)
+        reqs = queue_requests(sched, GOOD, max_new_tokens=12, first_rid=100)
         sched.step()
         sched.step()  # running, part-way through decoding
         with self.assertRaisesRegex(ValueError, "token id 999"):

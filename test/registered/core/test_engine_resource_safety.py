@@ -19,10 +19,10 @@ import unittest
 from unittest import mock
 
 from sglang import Engine
-from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenSlotAllocator
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, queue_requests
 
 register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 
@@ -164,16 +164,7 @@ class TestFailuresReleaseEverything(EngineCase):
         # gives exactly the outputs of a run that never failed.
         for algo, engine in self.each_engine():
             sched = engine.scheduler
-            reqs = [
-                Req(
-                    rid=1000 + i,
-                    origin_input_ids=ids,
-                    sampling_params=SamplingParams(12),
-                )
-                for i, ids in enumerate(PROMPTS)
-            ]
-            for r in reqs:
-                sched.add_request(r)
+            reqs = queue_requests(sched, PROMPTS, max_new_tokens=12, first_rid=1000)
             sched.step()
             with self.failing(engine, "decode_step", 1, Injected("decode")):
                 with self.assertRaises(Injected):
@@ -192,12 +183,7 @@ class TestFailuresReleaseEverything(EngineCase):
         # rank would stop stepping while its peers wait for it); aborting
         # the last one ends it.
         sched = self.engines[None].scheduler
-        reqs = [
-            Req(rid=2000 + i, origin_input_ids=ids, sampling_params=SamplingParams(12))
-            for i, ids in enumerate(PROMPTS)
-        ]
-        for r in reqs:
-            sched.add_request(r)
+        reqs = queue_requests(sched, PROMPTS, max_new_tokens=12, first_rid=2000)
         sched.step()
         sched._dp_busy = True
         sched.abort_requests(reqs[:1])
@@ -285,12 +271,7 @@ class TestFailuresReleaseEverything(EngineCase):
                 raise KeyboardInterrupt
             return real(req, *args, **kw)
 
-        reqs = [
-            Req(rid=3000 + i, origin_input_ids=ids, sampling_params=SamplingParams(12))
-            for i, ids in enumerate(PROMPTS)
-        ]
-        for r in reqs:
-            sched.add_request(r)
+        reqs = queue_requests(sched, PROMPTS, max_new_tokens=12, first_rid=3000)
         sched.step()  # admission, prefill and a first decode: not interrupted
         interrupted = False
         with mock.patch.object(Req, "append_tokens", flaky):
@@ -316,16 +297,7 @@ class TestFailuresReleaseEverything(EngineCase):
         # KV returned; the one admitted before it in the same step runs on.
         for algo, engine in self.each_engine():
             sched = engine.scheduler
-            reqs = [
-                Req(
-                    rid=2000 + i,
-                    origin_input_ids=ids,
-                    sampling_params=SamplingParams(12),
-                )
-                for i, ids in enumerate(PROMPTS)
-            ]
-            for r in reqs:
-                sched.add_request(r)
+            reqs = queue_requests(sched, PROMPTS, max_new_tokens=12, first_rid=2000)
             with self.failing(engine, "prefill", 2, Injected("prefill")):
                 with self.assertRaises(Injected):
                     sched.step()
