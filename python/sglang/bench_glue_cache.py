@@ -16,14 +16,24 @@ tensor) three ways, interleaved trial by trial:
 The ratios say how much of the glue's in-step cost is its ops' cold start
 rather than their work: the bound on what trimming Python around them can
 win. The engine is not used after the probe (its buffers are overwritten).
+
+``--compiled`` also times the same accept compiled ahead of time with
+AOTInductor (``torch.export`` of ``dspark_verify.accept`` over the engine's
+own buffers, which enter as its inputs, then one call of the loaded kernel
+per accept), interleaved with the eager one the same three ways, and checks
+that it leaves the same accept lengths and bonus as eager from the same
+state: what fusing the glue into one compiled call per piece would cost in
+a step (docs/benchmarks.md, "what bounds them here").
 """
 
 import argparse
+import copy
 import json
 import random
 import statistics
+import tempfile
 import time
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 
@@ -33,16 +43,86 @@ from sglang.srt.layers.sampler import SamplingMode
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components.dspark_verify import accept
 
+# torch.export (2.13) fails to functionalize rejection_accept's first write,
+# out= into a view of a flat buffer of a product over the transposed logits,
+# above one request ("Cannot view a tensor ... as a tensor with shape").
+_SAMPLED_COMPILE_LIMIT = (
+    "compiled: the sampled accept exports at batch size 1 only (torch.export "
+    "cannot functionalize its out= write of a transposed product above one row)"
+)
 
-def probe(*, temperature: float, batch_size: int, trials: int, seed: int = 0) -> Dict:
+
+def compile_accept(worker, bs: int, logits: torch.Tensor, mode) -> Callable[[], None]:
+    """``accept`` over the worker's buffers at ``bs`` rows, compiled with
+    AOTInductor: the arena's storages are the program's inputs (each once;
+    inside, the arena is rebuilt over them and cut by its own ``_cut``, so
+    the views alias as they do eagerly), the writes land in them. Returns
+    one call of the loaded kernel on ``logits``."""
+    arena = worker.buffers
+    items = arena.tensors()
+    if any(not isinstance(name, str) for path, _ in items for name in path):
+        raise ValueError("compile_accept rebuilds attributes only, not list items")
+    bases: Dict[int, torch.Tensor] = {}
+    for _, t in items:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in bases:
+            size = storage.nbytes() // t.element_size()
+            bases[storage.data_ptr()] = t.new_empty(0).set_(storage, 0, (size,))
+    keys = list(bases)
+
+    def rebuilt(traced):
+        """A shallow copy of the arena whose tensors view ``traced``."""
+        over = dict(zip(keys, traced))
+        root, copies = copy.copy(arena), {}
+        root._views = {}
+        for path, t in items:
+            obj = root
+            for i, name in enumerate(path[:-1]):
+                if path[: i + 1] not in copies:
+                    copies[path[: i + 1]] = copy.copy(getattr(obj, name))
+                    object.__setattr__(obj, name, copies[path[: i + 1]])
+                obj = copies[path[: i + 1]]
+            base = over[t.untyped_storage().data_ptr()]
+            view = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            object.__setattr__(obj, path[-1], view)
+        return root
+
+    class Accept(torch.nn.Module):
+        def forward(self, target_logits, *storages):
+            views = rebuilt(storages)._cut(bs)
+            accept(views=views, target_logits=target_logits, mode=mode)
+            return (storages[0],)
+
+    args = [logits, *bases.values()]
+    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+        program = torch.export.export(Accept(), tuple(args), strict=False)
+        package = torch._inductor.aoti_compile_and_package(
+            program, package_path=f"{tmp}/accept.pt2"
+        )
+        loader = torch._inductor.aoti_load_package(package).loader
+    return lambda: loader.run(args)
+
+
+def probe(
+    *,
+    temperature: float,
+    batch_size: int,
+    trials: int,
+    seed: int = 0,
+    compiled: bool = False,
+) -> Dict:
     """The accept phase's median time per way, and each way's ratio to warm
-    (median of the per-trial ratios, its 95% interval)."""
+    (median of the per-trial ratios, its 95% interval); with ``compiled``,
+    the same for the AOTInductor-compiled accept, its ratio to eager per
+    way, and whether it left eager's accept lengths and bonus."""
     if trials < 10:
         raise ValueError(f"trials must be >= 10 (an interval needs them), got {trials}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if compiled and temperature > 0 and batch_size > 1:
+        raise ValueError(_SAMPLED_COMPILE_LIMIT)
     engine = Engine(
         speculative_algorithm="DSPARK",
         device="cpu",
@@ -65,38 +145,68 @@ def probe(*, temperature: float, batch_size: int, trials: int, seed: int = 0) ->
         generator=torch.Generator().manual_seed(seed),
     )
     mode = SamplingMode.SAMPLED if temperature > 0 else SamplingMode.GREEDY
+    variants = {"eager": lambda: accept(views=views, target_logits=logits, mode=mode)}
+    out = {"temperature": temperature, "batch_size": batch_size, "trials": trials}
+    if compiled:
+        variants["compiled"] = compile_accept(worker, batch_size, logits, mode)
+        out["compiled_same_as_eager"] = _same_results(worker, views, variants)
     sweep = torch.zeros(4 * 2**20)  # 16 MB of float32
     before = {
-        "warm": lambda: accept(views=views, target_logits=logits, mode=mode),
+        "warm": None,  # right after the same accept
         "after verify forward": lambda: worker.target_runner.forward(
             views.verify_batch
         ),
         "after 16 MB sweep": lambda: sweep.add_(1.0),
     }
-    times = {name: [] for name in before}
+    times = {(v, way): [] for v in variants for way in before}
     with torch.no_grad():
         # trials // 5 more trials first, discarded: the warm-up.
         for trial in range(trials + trials // 5):
-            for name, run_before in before.items():
-                run_before()
-                start = time.perf_counter()
-                accept(views=views, target_logits=logits, mode=mode)
-                seconds = time.perf_counter() - start
-                if trial >= trials // 5:
-                    times[name].append(seconds)
-    warm = times["warm"]
-    out = {
-        "temperature": temperature,
-        "batch_size": batch_size,
-        "trials": trials,
-        "accept_us": {k: statistics.median(v) * 1e6 for k, v in times.items()},
-    }
-    out["ratio_to_warm"] = {}
-    for name, seconds in times.items():
-        if name != "warm":
-            ratio = median_ratio(seconds, warm)
-            out["ratio_to_warm"][name] = {k: ratio[k] for k in ("median", "ci95")}
+            for way, run_before in before.items():
+                for variant, run in variants.items():
+                    (run_before or run)()
+                    start = time.perf_counter()
+                    run()
+                    seconds = time.perf_counter() - start
+                    if trial >= trials // 5:
+                        times[variant, way].append(seconds)
+    for variant in variants:
+        prefix = "" if variant == "eager" else "compiled_"
+        out[prefix + "accept_us"] = {
+            way: statistics.median(times[variant, way]) * 1e6 for way in before
+        }
+        out[prefix + "ratio_to_warm"] = {
+            way: _ratio(times[variant, way], times[variant, "warm"])
+            for way in before
+            if way != "warm"
+        }
+    if compiled:
+        out["compiled_to_eager"] = {
+            way: _ratio(times["compiled", way], times["eager", way]) for way in before
+        }
     return out
+
+
+def _ratio(a, b) -> Dict:
+    ratio = median_ratio(a, b)
+    return {k: ratio[k] for k in ("median", "ci95")}
+
+
+def _same_results(worker, views, variants) -> bool:
+    """Eager's and the compiled accept's accept lengths and bonus, each run
+    from the same state of every buffer (restored between them)."""
+    storages = {t.untyped_storage().data_ptr(): t for _, t in worker.buffers.tensors()}
+    state = [t.untyped_storage() for t in storages.values()]
+    saved = [s.clone() for s in state]
+    results = []
+    with torch.no_grad():
+        for run in variants.values():
+            for s, copy_of in zip(state, saved):
+                s.copy_(copy_of)
+            run()
+            results.append((views.accept_lens.clone(), views.bonus.clone()))
+    (lens_a, bonus_a), (lens_b, bonus_b) = results
+    return torch.equal(lens_a, lens_b) and torch.equal(bonus_a, bonus_b)
 
 
 def main(argv=None) -> None:
@@ -104,25 +214,47 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--trials", type=int, default=400)
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time the accept compiled with AOTInductor (about 10 s to compile)",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
     if args.trials < 10 or args.batch_size < 1:
         p.error("needs --trials >= 10, --batch-size >= 1")
+    if args.compiled and args.temperature > 0 and args.batch_size > 1:
+        p.error("--" + _SAMPLED_COMPILE_LIMIT)
     try:  # the engine's own rule for a temperature
         SamplingParams(max_new_tokens=1, temperature=args.temperature)
     except ValueError as e:
         p.error(f"--temperature: {e}")
     bench_plots.check_json_path(p, args.json)
     out = probe(
-        temperature=args.temperature, batch_size=args.batch_size, trials=args.trials
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+        trials=args.trials,
+        compiled=args.compiled,
     )
-    for name, us in out["accept_us"].items():
-        ratio = out["ratio_to_warm"].get(name)
-        extra = ""
-        if ratio is not None:
-            lo, hi = ratio["ci95"]
-            extra = f"  {ratio['median']:.2f}x warm [{lo:.2f}, {hi:.2f}]"
-        print(f"accept {name:22s} {us:8.1f} us (median){extra}")
+    for prefix, label in (("", "accept"), ("compiled_", "compiled accept")):
+        for way, us in out.get(prefix + "accept_us", {}).items():
+            extra = ""
+            ratio = out[prefix + "ratio_to_warm"].get(way)
+            if ratio is not None:
+                extra = "  {:.2f}x warm [{:.2f}, {:.2f}]".format(
+                    ratio["median"], *ratio["ci95"]
+                )
+            to_eager = out.get("compiled_to_eager", {}).get(way) if prefix else None
+            if to_eager is not None:
+                extra += "  {:.2f}x eager [{:.2f}, {:.2f}]".format(
+                    to_eager["median"], *to_eager["ci95"]
+                )
+            print(f"{label:16s} {way:22s} {us:8.1f} us (median){extra}")
+    if args.compiled:
+        print(
+            "compiled accept leaves eager's accept lengths and bonus:",
+            out["compiled_same_as_eager"],
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -8,7 +8,7 @@ from sglang.bench_glue_cache import main, probe
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 
 
 class TestGlueCacheProbe(CustomTestCase):
@@ -27,11 +27,31 @@ class TestGlueCacheProbe(CustomTestCase):
                     self.assertLessEqual(ratio["median"], hi)
                     self.assertGreater(lo, 0.0)
 
+    def test_compiled_accept_leaves_eagers_results_and_is_timed(self):
+        # AOTInductor compiles the engine's own accept over its buffers: from
+        # the same state it leaves the same accept lengths and bonus, and it
+        # is timed each way beside eager.
+        ways = {"warm", "after verify forward", "after 16 MB sweep"}
+        for temperature, bs in ((0.0, 2), (1.0, 1)):
+            with self.subTest(temperature=temperature, batch_size=bs):
+                out = probe(
+                    temperature=temperature, batch_size=bs, trials=10, compiled=True
+                )
+                self.assertIs(out["compiled_same_as_eager"], True)
+                self.assertEqual(set(out["compiled_accept_us"]), ways)
+                self.assertEqual(set(out["compiled_to_eager"]), ways)
+                for ratio in out["compiled_to_eager"].values():
+                    lo, hi = ratio["ci95"]
+                    self.assertLessEqual(lo, ratio["median"])
+                    self.assertLessEqual(ratio["median"], hi)
+                    self.assertGreater(lo, 0.0)
+
     def test_bad_arguments_are_refused(self):
         for kwargs, message in (
             (dict(trials=5), "trials"),
             (dict(batch_size=0), "batch_size"),
             (dict(temperature=-1.0), "temperature"),
+            (dict(batch_size=2, compiled=True), "batch size 1 only"),
         ):
             args = dict(temperature=1.0, batch_size=1, trials=12) | kwargs
             with self.subTest(**kwargs), self.assertRaisesRegex(ValueError, message):
@@ -43,6 +63,7 @@ class TestGlueCacheProbe(CustomTestCase):
             (["--temperature", "1e31"], "--temperature"),
             (["--json", "/nonexistent-folder/out.json"], "does not exist"),
             (["--batch-size", "0"], "--batch-size"),
+            (["--batch-size", "2", "--compiled"], "batch size 1 only"),
         ):
             err = io.StringIO()
             with self.subTest(argv=argv), contextlib.redirect_stderr(err):

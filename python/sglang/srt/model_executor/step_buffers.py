@@ -14,7 +14,7 @@ whose device is meta) it says so before anything is allocated, which is how
 ``ServerArgs.static_memory_bytes`` sizes it.
 """
 
-from typing import Any, Callable, Dict, Generic, Hashable, TypeVar
+from typing import Any, Callable, Dict, Generic, Hashable, List, Tuple, TypeVar, Union
 
 import torch
 
@@ -50,31 +50,39 @@ class StepBuffers(Generic[V]):
             views = self._views[key] = make()
         return views
 
-    def nbytes(self) -> int:
-        """Bytes of the tensors the arena owns, each storage once: those its
-        attributes reach, through nested buffers and dataclasses; not the
-        views cut from them, nor a runner's model or pools."""
-        storages: Dict[int, torch.UntypedStorage] = {}
-        seen = set()
+    def tensors(self) -> List[Tuple[Tuple[Union[str, int], ...], torch.Tensor]]:
+        """(path, tensor) for each tensor the arena's attributes reach,
+        through nested buffers, dataclasses, lists and tuples (each object
+        walked once; a tensor held in two places, under both paths): not
+        the views cut from them, nor a runner's model or pools."""
+        out: List[Tuple[Tuple[Union[str, int], ...], torch.Tensor]] = []
+        seen = {id(self._views)}
 
-        def walk(value: Any) -> None:
+        def walk(value: Any, path: Tuple[Union[str, int], ...]) -> None:
+            if isinstance(value, torch.Tensor):
+                out.append((path, value))
+                return
             if id(value) in seen:
                 return
             seen.add(id(value))
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()  # one object per storage
-                storages[id(storage)] = storage
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    walk(item)
+            if isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    walk(item, path + (i,))
             elif hasattr(value, "__dict__") and not isinstance(
                 value, (type, ModelRunner, torch.nn.Module)
             ):
-                for item in vars(value).values():
-                    walk(item)
+                for name, item in vars(value).items():
+                    walk(item, path + (name,))
 
-        seen.add(id(self._views))
-        walk(self)
+        walk(self, ())
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors the arena owns (``tensors()``), each storage
+        once."""
+        storages = {
+            id(t.untyped_storage()): t.untyped_storage() for _, t in self.tensors()
+        }
         return sum(s.nbytes() for s in storages.values())
 
     def _cut(self, bs: int) -> V:
