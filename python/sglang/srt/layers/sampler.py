@@ -359,7 +359,9 @@ def token_logprobs(
     tokens: torch.Tensor,  # [...] int64
 ) -> torch.Tensor:  # [...] float32
     """log softmax(logits)[token]: the model's own log-probability (T = 1,
-    no sampling parameter applied), upstream's default."""
+    no sampling parameter applied): vLLM's raw logprobs, and upstream
+    SGLang's only with SGLANG_RETURN_ORIGINAL_LOGPROB (its default applies
+    the temperature)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 

@@ -58,7 +58,9 @@ class SamplingParams:
 
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy (so is anything below SAMPLING_EPS)
-    top_p: float = 1.0  # (0, 1]: the smallest set of tokens with this mass
+    # (0, 1]: the tokens whose higher-ranked mass is at most top_p (upstream's
+    # rule: at an exact tie, one more than the smallest set with this mass)
+    top_p: float = 1.0
     top_k: int = -1  # -1: all tokens; else the k most likely
     min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the top one's p
     repetition_penalty: float = 1.0  # [1e-6, 2]: > 1 discourages prompt/output ids
