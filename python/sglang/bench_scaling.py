@@ -1021,7 +1021,7 @@ def plan_config(spec: ModelSpec, args: argparse.Namespace, measure: bool) -> Con
             why = f"projection only: {reason}"
         elif weights_mb > args.max_measure_mb:
             why = (
-                f"not measured: weights {weights_mb:.0f} MB > --max-measure-mb "
+                f"not measured: weights {weights_mb:.0f} MiB > --max-measure-mb "
                 f"{args.max_measure_mb:g}"
             )
         elif spec.max_position is not None and need > spec.max_position:
@@ -1389,7 +1389,7 @@ def _configs_table(result: Dict) -> List[str]:
             [c["name"], _mb(c["weight_bytes"]), runs, c["kernels"], measured]
             + [bs(bound["plain"]), bs(bound["dspark"])]
         )
-    header = ["config", "weights MB", "runs in the slice", "kernels modelled"]
+    header = ["config", "weights MiB", "runs in the slice", "kernels modelled"]
     header += ["points measured", "FFN compute-bound from bs: plain", "verify"]
     return _table(header, rows)
 
@@ -1412,8 +1412,8 @@ def _rows_table(result: Dict) -> List[str]:
             + [f"{r['flops'] / 1e9:.3g}", r["ops"], f"{r['projected_ms']:.3f}"]
             + [measured, ratio, r["bound"], scalar]
         )
-    header = ["config", "engine", "bs", "ctx", "weights MB", "KV read MB"]
-    header += ["act. written MB", "GFLOP", "ops", "projected ms", "measured ms"]
+    header = ["config", "engine", "bs", "ctx", "weights MiB", "KV read MiB"]
+    header += ["act. written MiB", "GFLOP", "ops", "projected ms", "measured ms"]
     header += ["proj/meas [95% CI]", "bound", "scalar % (proj / meas)"]
     return _table(header, rows)
 
@@ -1507,7 +1507,7 @@ def main(argv=None) -> int:
         "--quick",
         action="store_true",
         help=f"a small grid: batch sizes {QUICK['batch_size']}, contexts "
-        f"{QUICK['context']}, configs up to {QUICK['max_measure_mb']:g} MB measured",
+        f"{QUICK['context']}, configs up to {QUICK['max_measure_mb']:g} MiB measured",
     )
     p.add_argument("--batch-size", type=int, nargs="+", default=None)
     p.add_argument("--context", type=int, nargs="+", default=None, help="prompt tokens")
@@ -1517,7 +1517,7 @@ def main(argv=None) -> int:
         "--max-measure-mb",
         type=float,
         default=None,
-        help="measure configs up to this many MB of weights (the rest: projection)",
+        help="measure configs up to this many MiB of weights (the rest: projection)",
     )
     p.add_argument(
         "--max-prefill-tokens",
