@@ -12,7 +12,9 @@ After every call: free + held == total for request rows and KV slots
 
 import _thread
 import contextlib
+import functools
 import random
+import sys
 import threading
 import time
 import unittest
@@ -237,10 +239,31 @@ class TestFailuresReleaseEverything(EngineCase):
         # interrupted in turn: the first, middle and last request's of each
         # step, those of the steps where requests finish among them.
         # Each request's speculation counts too: counted once per step it
-        # ran to the end, as in the run that never failed. DSpark verifies
-        # every draft here: the default budget plans from measured step
-        # times, so its steps, and with them the counts, move between runs
-        # (the outputs do not).
+        # ran to the end, as in the run that never failed.
+        self._interrupt_each_call(lambda sched: (Req, "append_tokens"), least=6)
+
+    def test_an_interrupted_retirement_or_join_is_finished_by_the_next_step(self):
+        # Used directly, a step interrupted as it retires its finished
+        # requests (each call in turn) leaves them in the running batch: the
+        # next step retires them before anything else, so none decodes past
+        # its end (its counts would show the extra step). One interrupted as
+        # admitted requests join (the first step's included, which admits
+        # them all) leaves them admitted: the scheduler still has work, and
+        # the next step joins them.
+        for name, admission in (("_retire_finished", False), ("_join", True)):
+            with self.subTest(name=name):
+                self._interrupt_each_call(
+                    lambda sched: (sched, name), least=3, admission=admission
+                )
+
+    def _interrupt_each_call(self, where, least, admission=False):
+        """Run PROMPTS through each engine's scheduler with, in turn, each
+        call of ``where(scheduler)`` (an object and an attribute) during the
+        decode steps (``admission``: and the first step) interrupted: the outputs, the pools and every request's
+        speculation counts are those of the run that was not. DSpark
+        verifies every draft here: the default budget plans from measured
+        step times, so its steps, and with them the counts, move between
+        runs (the outputs do not)."""
         engines = {
             "DSPARK": Engine(
                 speculative_algorithm="DSPARK", speculative_verify_budget="off", **ARGS
@@ -249,40 +272,46 @@ class TestFailuresReleaseEverything(EngineCase):
         }
         for algo, engine in engines.items():
             with self.subTest(algo=algo):
-                appends, counts = self._run_interrupting_append(engine, algo, None)
-                self.assertGreater(appends, 6)
-                for fail_at in range(1, appends + 1):
+                obj, name = where(engine.scheduler)
+                run = functools.partial(
+                    self._run_interrupting, engine, algo, obj, name, admission
+                )
+                calls, counts = run(None)
+                self.assertGreater(calls, least)
+                for fail_at in range(1, calls + 1):
                     with self.subTest(fail_at=fail_at):
-                        _, got = self._run_interrupting_append(engine, algo, fail_at)
+                        _, got = run(fail_at)
                         self.assertEqual(got, counts)
                 self.assertEqual(self._outputs(engine), self.expected[algo])
                 self.assert_whole(engine)
 
-    def _run_interrupting_append(self, engine, algo, fail_at):
-        """Run PROMPTS through the scheduler, the decode steps' ``fail_at``-th
-        append of tokens interrupted (None: none); check the outputs and the
-        pools. Returns how many appends the decode steps made, and each
+    def _run_interrupting(self, engine, algo, obj, name, admission, fail_at):
+        """Run PROMPTS through the scheduler, the ``fail_at``-th call of
+        ``obj.name`` in its decode steps (``admission``: and in the first
+        step) interrupted (None: none); check the outputs and the pools. Returns how many calls the decode steps made, and each
         request's (steps, accepted drafts, verified drafts)."""
-        sched, real, calls = engine.scheduler, Req.append_tokens, [0]
+        sched, real, calls = engine.scheduler, getattr(obj, name), [0]
 
-        def flaky(req, *args, **kw):
+        def flaky(*args, **kw):
             calls[0] += 1
             if calls[0] == fail_at:
                 raise KeyboardInterrupt
-            return real(req, *args, **kw)
+            return real(*args, **kw)
 
         reqs = queue_requests(sched, PROMPTS, max_new_tokens=12, first_rid=3000)
-        sched.step()  # admission, prefill and a first decode: not interrupted
+        if not admission:
+            sched.step()  # admission, prefill and a first decode
         interrupted = False
-        with mock.patch.object(Req, "append_tokens", flaky):
+        with mock.patch.object(obj, name, flaky):
             while sched.has_work():
                 try:
                     sched.step()
                 except KeyboardInterrupt:
                     interrupted = True
                     sched.check_pool_accounting()
-                    finished = [r.rid for r in sched.running if r.finished]
-                    self.assertEqual(finished, [])  # released, not left running
+                    if name != "_retire_finished":  # (that one is the release)
+                        finished = [r.rid for r in sched.running if r.finished]
+                        self.assertEqual(finished, [])  # released, not running
         self.assertEqual(interrupted, fail_at is not None)
         self.assertEqual([r.output_ids for r in reqs], self.expected[algo])
         self.assert_whole(engine)
@@ -291,6 +320,44 @@ class TestFailuresReleaseEverything(EngineCase):
             for r in reqs
         ]
         return calls[0], counts
+
+    def test_an_interrupt_anywhere_in_flush_cache_leaves_the_lock_free(self):
+        # CPython raises a pending Ctrl-C where it checks for signals: as a
+        # function starts and as a call returns (never before a call
+        # starts), the lock's own acquire included (the lock then taken). A
+        # profile hook raises at each such point inside flush_cache() in
+        # turn; the engine lock is free after each, and the engine flushes
+        # and runs.
+        for algo, engine in self.each_engine():
+            k = 0
+            while True:
+                k += 1
+                events, armed = [0], [True]
+
+                def interrupt(frame, event, arg):
+                    if armed[0] and event in ("call", "return", "c_return"):
+                        events[0] += 1
+                        if events[0] == k:
+                            armed[0] = False
+                            raise KeyboardInterrupt
+
+                try:
+                    sys.setprofile(interrupt)
+                    flushed = engine.flush_cache()
+                except KeyboardInterrupt:
+                    flushed = None
+                finally:
+                    armed[0] = False
+                    sys.setprofile(None)
+                leaked = engine._lock.locked()
+                if leaked:  # free it, so that the engine's other tests run
+                    engine._lock.release()
+                self.assertFalse(leaked, f"the lock is held after event {k}")
+                if flushed is not None:
+                    self.assertTrue(flushed)
+                    break
+            self.assertGreater(k, 5)
+            self.assert_usable(algo)
 
     def test_prefill_exception_keeps_scheduler_consistent(self):
         # Used directly, the request whose prefill failed is aborted with its

@@ -191,14 +191,15 @@ class Engine:
         draft-health window), so that later calls behave as on a fresh
         engine of the same configuration (its measured cost table kept).
         False, and nothing forgotten, while a call runs or requests remain.
-        Under DP attention every rank flushes its own."""
-        if not self._lock.acquire(blocking=False):  # a generate() is running
+        Under DP attention every rank flushes its own (a call that starts
+        between the check and the flush is waited for, then flushed after)."""
+        if self._lock.locked():  # a generate() is running
             return False
-        try:
+        # ``with``, not a bare acquire(): an interrupt raised as acquire()
+        # returns would leave the lock held, and every later call waiting.
+        with self._lock:
             self._finish_abort()
             return self.scheduler.flush_cache()
-        finally:
-            self._lock.release()
 
     def _finish_abort(self) -> None:
         """The last call's requests, when an interrupt cut short their abort

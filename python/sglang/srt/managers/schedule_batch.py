@@ -238,7 +238,10 @@ class Req:
     ) -> None:
         """Commit tokens up to max_new_tokens, or the first EOS (unless
         ignored) or stop id once min_new_tokens are out; drop the rest.
-        ``logprobs`` (one per token) are kept when the request asked."""
+        ``logprobs`` (one per token) are kept when the request asked. A
+        finished request takes none."""
+        if self.finished:
+            return
         sp = self.sampling_params
         for i, tok in enumerate(tokens):
             self.output_ids.append(tok)

@@ -205,7 +205,7 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests wait or run here; under DP attention also while any rank
         had work at the last step's sync (all ranks step until all are done)."""
-        return bool(self.waiting or self.running) or self._dp_busy
+        return bool(self.waiting or self._admitting or self.running) or self._dp_busy
 
     def start_round(self) -> None:
         """Under DP attention, before the steps of a round of requests (an
@@ -285,11 +285,12 @@ class Scheduler:
         """Admit, prefill, decode once; return the requests finished by it."""
         if self.dp_group is not None:
             return self._step_dp()
+        finished = self._retire_finished()  # left by an interrupted step
         try:
             self._admit()
         finally:
             # Requests prefilled before a failure are valid: they run on.
-            finished = self._join()
+            finished += self._join()
         if self.waiting and not self.running and not finished:
             self._raise_if_stuck()
         if self.running:
@@ -311,6 +312,7 @@ class Scheduler:
             ) from e
 
     def _step_in_lockstep(self) -> List[Req]:
+        retired = self._retire_finished()  # left by an interrupted step
         self._admit(prefill=False)
         lens = [len(r.origin_input_ids) for r in self._admitting]
         busy = bool(self.waiting or self.running or self._admitting)
@@ -318,7 +320,7 @@ class Scheduler:
         ranks = self._dp_sync([int(busy), len(lens)] + lens + pad, "DP step start")
         self._dp_busy = any(r[0] for r in ranks)
         if not self._dp_busy:
-            return []
+            return retired
         self.num_dp_steps += 1
         try:
             for i in range(max(r[1] for r in ranks)):
@@ -328,7 +330,7 @@ class Scheduler:
                 else:
                     self.worker.idle_prefill(global_num_tokens=counts)
         finally:
-            finished = self._join()
+            finished = retired + self._join()
         if self.waiting and not self.running and not finished:
             self._raise_if_stuck()
         batch = (
