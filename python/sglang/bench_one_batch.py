@@ -73,6 +73,7 @@ from tqdm import tqdm
 
 from sglang import bench_plots
 from sglang.bench_stats import geometric_mean_ratio, mean_product
+from sglang.srt.distributed.parallel_state import check_ranks_agree, digest_of
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -280,6 +281,7 @@ def run(
             enable_dp_attention=True,
             dp_size=args.dp_size,
             moe_a2a_backend=args.moe_a2a_backend,
+            dist_timeout=args.dist_timeout,
         )
     engines = {
         "plain": Engine(speculative_algorithm=None, **common),
@@ -293,6 +295,12 @@ def run(
         ),
     }
     plain, dspark = engines["plain"], engines["dspark"]
+    if dist.is_initialized():  # the ranks step in lockstep: one command line
+        check_ranks_agree(
+            digest=digest_of(vars(args)),
+            group=plain._check_group,
+            what="the bench's arguments",
+        )
     dp = plain.dp_size  # every rank gets num prompts: N x num in all
     printing = plain.dp_rank == 0
     heldout = load_stdlib_corpus().read("heldout") if args.prompts == "stdlib" else None
@@ -623,6 +631,13 @@ def main(argv=None) -> int:
         help="under DP attention: gather every rank's MoE rows and all-reduce "
         "(none), or send each row only to its experts' ranks (all_to_all)",
     )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=60.0,
+        help="under DP attention: seconds a rank waits for the others in a "
+        "collective before the run ends with an error",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument(
         "--plot-dir",
@@ -646,6 +661,8 @@ def main(argv=None) -> int:
         args.device = "cpu"
     elif args.dp_size is not None or args.moe_a2a_backend != "none":
         p.error("--dp-size and --moe-a2a-backend need --enable-dp-attention")
+    if not 0 < args.dist_timeout <= 7 * 24 * 3600:  # NaN fails too
+        p.error("--dist-timeout must be in (0, 604800] seconds")
     if args.input_len < 1:
         p.error("--input-len must be >= 1")
     if args.output_len < 2:  # the first token comes from prefill: no decode step

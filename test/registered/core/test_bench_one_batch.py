@@ -10,12 +10,21 @@ import tempfile
 import unittest
 from unittest import mock
 
+import torch
+
 from sglang import Engine, bench_one_batch
-from sglang.srt.distributed.parallel_state import get_open_port
+from sglang.srt.distributed.parallel_state import (
+    get_open_port,
+    init_distributed_environment,
+)
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase, record_decode_batch_sizes
+from sglang.test.test_utils import (
+    CustomTestCase,
+    record_decode_batch_sizes,
+    spawn_ranks,
+)
 
 register_cpu_ci(est_time=25, suite="base-a-test-cpu")
 
@@ -34,6 +43,20 @@ def _main_json(argv):
         rc, text = _main(argv + ["--json", path])
         with open(path) as f:
             return rc, text, json.load(f)
+
+
+def _bench_rank_with_own_block_steps(rank, world, port, out_dir) -> None:
+    torch.set_num_threads(1)
+    init_distributed_environment(rank=rank, world_size=world, port=port, timeout_s=30)
+    argv = ["--enable-dp-attention", "--dp-size", str(world), "--batch-size", "1"]
+    argv += ["--temperature", "0", "--output-len", "4", "--input-len", "8"]
+    argv += ["--num-prompts", "2", "--repeats", "1", "--dist-timeout", "20"]
+    argv += ["--speculative-verify-budget", "off", "--block-steps", str(2 + rank)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = bench_one_batch.main(argv)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"code": code, "stderr": err.getvalue()}, f)
 
 
 class TestBenchOneBatch(CustomTestCase):
@@ -436,6 +459,13 @@ class TestBenchOneBatch(CustomTestCase):
         # Rank 0 decoded its 3 prompts, 2 at a time: 7 decode steps (the
         # first of 8 tokens is the prefill's) for the first two, 7 for the third.
         self.assertEqual(row["plain_decode_steps"], 7 * 2)
+
+    def test_ranks_given_different_arguments_stop_at_once(self):
+        # The ranks step in lockstep: one rank's other --block-steps used to
+        # hang both until the collectives' timeout. Both refuse the run.
+        for rank in spawn_ranks(_bench_rank_with_own_block_steps, world_size=2):
+            self.assertEqual(rank["code"], 2)
+            self.assertIn("disagree on the bench's arguments", rank["stderr"])
 
     def test_plot_dir_needs_matplotlib_before_the_run(self):
         err = io.StringIO()

@@ -138,8 +138,8 @@ def _gathered(gather, *, what: str):
         return gather()
     except RuntimeError as e:  # gloo: peer closed, or timed out
         raise RuntimeError(
-            f"rank {dist.get_rank()}: the ranks did not all answer the {what} "
-            f"exchange (a rank died, raised, stalled past dist_timeout, or is in "
+            f"rank {dist.get_rank()}: the ranks did not all answer the exchange "
+            f"of {what} (a rank died, raised, stalled past dist_timeout, or is in "
             f"another call): {e}"
         ) from e
 
@@ -180,5 +180,5 @@ def check_ranks_agree(*, digest: bytes, group, what: str) -> None:
             by_digest.setdefault(d.hex()[:12], []).append(rank)
         raise ValueError(
             f"EP ranks disagree on {what}: ranks grouped by digest {by_digest}; "
-            f"every rank must be given the same {what}"
+            f"give every rank the same"
         )

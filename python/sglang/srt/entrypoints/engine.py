@@ -21,6 +21,7 @@ Failure handling:
 """
 
 import dataclasses
+import hashlib
 import os
 import threading
 from contextlib import nullcontext
@@ -191,7 +192,8 @@ class Engine:
         draft-health window), so that later calls behave as on a fresh
         engine of the same configuration (its measured cost table kept).
         False, and nothing forgotten, while a call runs or requests remain.
-        Under DP attention every rank flushes its own (a call that starts
+        Every rank flushes its own: under expert parallelism alone too, since
+        every call's first step plans anew on all ranks (a call that starts
         between the check and the flush is waited for, then flushed after)."""
         if self._lock.locked():  # a generate() is running
             return False
@@ -324,24 +326,30 @@ class Engine:
         self._num_calls += 1
         if self._check_group is not None:
             # Every rank gathers before any raises, so all of them learn of
-            # a mismatch (or of another rank's bad request) at once.
-            digest = digest_of(
-                {
-                    "call": self._num_calls,
-                    "rejected": error is not None,
-                    "requests": [
-                        [
-                            r.origin_input_ids,
-                            dataclasses.asdict(r.sampling_params),
-                            r.return_logprob,
-                        ]
-                        for r in reqs
-                    ],
-                }
-            )
+            # a mismatch (or of another rank's bad request) at once. Expert
+            # parallelism alone also needs one generator state on every rank
+            # (their steps, drafts and noise the same; under DP attention
+            # each rank draws its own stream): a rank reseeded alone differs.
+            state = {
+                "call": self._num_calls,
+                "rejected": error is not None,
+                "requests": [
+                    [
+                        r.origin_input_ids,
+                        dataclasses.asdict(r.sampling_params),
+                        r.return_logprob,
+                    ]
+                    for r in reqs
+                ],
+            }
+            if self.dp_size == 1:
+                generator = self.generator.get_state().numpy().tobytes()
+                state["generator"] = hashlib.sha256(generator).hexdigest()
             try:
                 check_ranks_agree(
-                    digest=digest, group=self._check_group, what="the requests"
+                    digest=digest_of(state),
+                    group=self._check_group,
+                    what="the requests and the generator state",
                 )
             except ValueError:
                 if error is None:
@@ -378,6 +386,14 @@ class Engine:
             self._unclean = []
             if self._check_group is not None:  # the ranks' collectives part
                 self._rank_failure = e
+                if self.dp_size == 1 and isinstance(e, RuntimeError):
+                    # (DP attention's scheduler says so of its steps itself.)
+                    raise RuntimeError(
+                        f"EP rank {dist.get_rank()}: call {self._num_calls} did "
+                        f"not complete, and the ranks' collectives are now out of "
+                        f"step (a rank raised, died or stalled past "
+                        f"dist_timeout): {e}"
+                    ) from e
             raise
         self._unclean = []
         return results

@@ -208,9 +208,11 @@ class Scheduler:
         return bool(self.waiting or self._admitting or self.running) or self._dp_busy
 
     def start_round(self) -> None:
-        """Under DP attention, before the steps of a round of requests (an
-        ``Engine.generate`` call): every rank steps at least once, even one
-        given no request, so that the first sync finds who has work."""
+        """Before the steps of a round of requests (an ``Engine.generate``
+        call): the worker starts it (``start_round``), and under DP attention
+        every rank steps at least once, even one given no request, so that
+        the first sync finds who has work."""
+        self.worker.start_round()
         self._dp_busy = self.dp_group is not None
 
     def _admit(self, *, prefill: bool = True) -> None:

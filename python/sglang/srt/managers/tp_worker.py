@@ -210,6 +210,9 @@ class TpModelWorker:
     def flush_cache(self) -> None:
         """Plain decoding learns nothing from its steps: nothing to forget."""
 
+    def start_round(self) -> None:
+        """Before a round of requests: plain decoding carries nothing over."""
+
     def forward_prefill(
         self,
         *,

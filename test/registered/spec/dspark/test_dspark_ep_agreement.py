@@ -11,6 +11,7 @@ call returns the single-process output.
 import json
 import os
 import unittest
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from sglang import Engine
 from sglang.srt.distributed.parallel_state import init_distributed_environment
 from sglang.srt.runtime_context import get_parallel
+from sglang.srt.speculative.dspark_components import dspark_worker_v2
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, spawn_ranks
 
@@ -70,6 +72,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             "output_ids": [o["output_ids"] for o in outs],
             "ids": [o["meta_info"]["id"] for o in outs],
         }
+    result["lockstep"] = _lockstep(rank)
     # A cost table file only rank 0 sees (each rank in its own folder):
     # rank 0 would load it while rank 1 measures, running collectives alone.
     cwd, folder = os.getcwd(), os.path.join(out_dir, f"cwd{rank}")
@@ -91,6 +94,43 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def _lockstep(rank: int) -> dict:
+    """Expert parallelism alone: the ranks run the same steps, so what
+    decides them must agree: the generator state, the verify budget's held
+    plan, the group its exchange runs on."""
+    engine = Engine(speculative_algorithm="DSPARK", **ARGS)  # budget auto
+    out = {}
+    sampled = dict(PARAMS, temperature=1.0)
+
+    def sample():
+        return engine.generate(input_ids=PROMPTS, sampling_params=sampled)
+
+    engine.reseed(100 + rank)  # one rank's stream alone
+    out["reseeded_alone"] = _error(sample)
+    engine.reseed(5)
+    out["reseeded_alike"] = [o["output_ids"] for o in sample()]
+    # A plan held from one call into the next (one request throughout), then
+    # rank 0 alone flushes and forgets it: the next call plans on both.
+    one = dict(input_ids=PROMPTS[:1], sampling_params={"max_new_tokens": 13})
+    engine.generate(**one)
+    out["held_before_flush"] = engine.worker.planner._countdown
+    if rank == 0:
+        engine.flush_cache()
+    out["after_flush_alone"] = _error(lambda: engine.generate(**one))
+    # Another engine built after this one: its exchanges keep this one's group.
+    Engine(speculative_algorithm=None, **ARGS)
+    groups, real = [], dspark_worker_v2.all_gather_ints
+
+    def spy(*, values, group, what):
+        groups.append(group is engine._check_group)
+        return real(values=values, group=group, what=what)
+
+    with mock.patch.object(dspark_worker_v2, "all_gather_ints", spy):
+        engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    out["own_group"] = groups
+    return out
 
 
 def _cuda_graph_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -169,6 +209,23 @@ class TestExpertParallelAgreement(CustomTestCase):
             kind, message = rank["table"]
             self.assertEqual(kind, "ValueError")
             self.assertIn("present on some ranks only", message)
+
+    def test_expert_parallel_ranks_keep_their_steps_in_lockstep(self):
+        # A rank reseeded alone is refused on both (it used to sum other
+        # tokens' shares silently, or abort in gloo under DSpark); a plan one
+        # rank held while the other, flushed, planned anew no longer splits
+        # their collectives (a timeout, then every call refused); another
+        # engine built later does not take this one's exchanges.
+        lockstep = [rank["lockstep"] for rank in self.ranks]
+        for rank in lockstep:
+            kind, message = rank["reseeded_alone"]
+            self.assertEqual(kind, "ValueError")
+            self.assertIn("the requests and the generator state", message)
+            self.assertIsNone(rank["after_flush_alone"])
+            self.assertGreater(len(rank["own_group"]), 0)
+            self.assertTrue(all(rank["own_group"]))
+        self.assertGreater(lockstep[1]["held_before_flush"], 0)
+        self.assertEqual(lockstep[0]["reseeded_alike"], lockstep[1]["reseeded_alike"])
 
     def test_refused_calls_take_no_request_ids(self):
         # Ranks given different calls must still number the next agreed

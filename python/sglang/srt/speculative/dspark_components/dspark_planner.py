@@ -324,6 +324,10 @@ class DSparkVerifyPlanner:
             self._since_report = 0
         self._since_report += 1
 
+    def drop_hold(self) -> None:
+        """The next step plans, whatever plan was held."""
+        self._countdown = 0
+
     def hold(self, budget: int) -> None:
         """Hold ``budget`` for the batch size just planned: ``replan_every``
         steps, a plain one for one step (its blocks' confidence is spent). The

@@ -133,6 +133,9 @@ class DSparkWorkerV2:
         self.max_batch_size = max_batch_size
         self.verify_budget = verify_budget  # "auto", "off" or drafts per step
         self.spans = PhaseSpans()
+        # This engine's EP CPU group (the process-wide one is the last
+        # engine's built): the verify budget's and the cost table's exchanges.
+        self._ep_cpu_group = get_moe_ep_cpu_group()
         target_worker.model.set_layers_to_capture(config.target_layer_ids)
         self.buffers = DSparkStepBuffers(
             max_batch_size=max_batch_size,
@@ -231,7 +234,7 @@ class DSparkWorkerV2:
         measured here (and saved to ``path`` when given); logged. EP ranks
         agree first on which: measuring runs the MoE's collectives."""
         exists = path is not None and os.path.exists(path)
-        group = get_moe_ep_cpu_group()
+        group = self._ep_cpu_group
         if group is not None:
             check_ranks_agree(
                 digest=digest_of(exists),
@@ -379,6 +382,21 @@ class DSparkWorkerV2:
         if self.planner is not None:
             self.planner.reset()
 
+    def start_round(self) -> None:
+        """Before a round of requests: expert-parallel ranks without DP
+        attention, which hold the plan they agreed on, drop it, so that all
+        of them plan (and agree) on the round's first step: a rank flushed
+        alone, which forgot its held plan, would plan and gather while the
+        others ran on into the MoE's collectives."""
+        if self.planner is not None and self._agrees_plans:
+            self.planner.drop_hold()
+
+    @property
+    def _agrees_plans(self) -> bool:
+        """Expert-parallel ranks without DP attention run the same steps
+        (their MoE all-reduces pair up): they agree on every plan."""
+        return self._ep_cpu_group is not None and not get_parallel().enable_dp_attention
+
     def local_verify_tier(self, batch: ScheduleBatch) -> int:
         """This rank's verify tier for the DP sync: its requests' anchor rows
         plus the drafts it plans to verify; -1 without a per-step plan
@@ -449,12 +467,11 @@ class DSparkWorkerV2:
                 sampled=[r.sampling_params.temperature > 0 for r in batch.reqs],
                 rows=self.graph_runner.padded_size(bs),
             )
-            parallel = get_parallel()
-            if parallel.moe_ep_group is not None and not parallel.enable_dp_attention:
+            if self._agrees_plans:
                 # Every EP rank runs the same steps (their MoE all-reduces
                 # pair up): the largest of their plans, held by all.
                 ranks = all_gather_ints(
-                    values=[budget], group=get_moe_ep_cpu_group(), what="verify budget"
+                    values=[budget], group=self._ep_cpu_group, what="the verify budget"
                 )
                 budget = max(r[0] for r in ranks)
                 planner.hold(budget)
