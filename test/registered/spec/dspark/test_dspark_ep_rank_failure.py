@@ -117,6 +117,9 @@ class TestExpertParallelRankFailure(CustomTestCase):
         self.assertIsNotNone(result)
         self.assertIsNotNone(result["error"], "rank 0 returned as if nothing failed")
         self.assertEqual(result["error"][0], "RuntimeError")
+        # It names the rank, the call and what it means, not gloo's words alone.
+        self.assertIn("EP rank 0: call 2 did not complete", result["error"][1])
+        self.assertIn("out of step", result["error"][1])
         self.assertLess(result["elapsed"], DIST_TIMEOUT + HANG_SLACK)
         self.assertFalse(result["has_work"])  # its requests were aborted
         kind, message = result["second"]
