@@ -17,6 +17,7 @@ under DSpark, and a draft that cannot fail silently.
   length is in ``meta_info``, and a draft that is never accepted is logged.
 """
 
+import math
 import os
 import shutil
 import tempfile
@@ -26,7 +27,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang import Engine
-from sglang.srt.layers.sampler import SamplingExtras, SamplingMode, draw_log_exp1_
+from sglang.srt.layers.sampler import (
+    SamplingExtras,
+    SamplingMode,
+    draw_log_exp1_,
+    seeded_log_e,
+)
 from sglang.srt.managers.schedule_batch import SamplingParams
 from sglang.srt.model_loader.loader import WEIGHTS_NAME, save_checkpoint
 from sglang.srt.models.registry import load_draft, load_target
@@ -309,6 +315,51 @@ class TestSeed(CustomTestCase):
         )[0]["output_ids"]
         self.assertNotEqual(other_seed, alone)
         self.assertGreater(in_batch[0]["meta_info"]["spec_accept_length"], 1.5)
+
+    def test_seeded_tokens_equal_plain_at_any_temperature_and_budget(self):
+        # At T != 1 (the coupled rule scales the target by 1 / T), on steps
+        # that verify nothing (budget 0: the bonus's own seeded noise), and
+        # for a greedy request carrying a seed beside a seeded sampled one
+        # (it stays greedy): DSpark's tokens are plain decoding's.
+        prompts = _prompts(2, seed=6)
+        plain = Engine(device="cpu", max_running_requests=4)
+        sampled = dict(max_new_tokens=20, temperature=1.0, sampling_seed=3)
+        cases = (
+            ("T 0.5", {}, [dict(sampled, temperature=0.5, max_new_tokens=40)]),
+            ("budget 0", dict(speculative_verify_budget=0), [sampled]),
+            (
+                "greedy with a seed",
+                {},
+                [dict(sampled, temperature=0.0, sampling_seed=5), sampled],
+            ),
+        )
+        for name, engine_args, params in cases:
+            with self.subTest(name):
+                spark = Engine(
+                    speculative_algorithm="DSPARK",
+                    device="cpu",
+                    max_running_requests=4,
+                    **engine_args,
+                )
+                got = spark.generate(
+                    input_ids=prompts[: len(params)], sampling_params=params
+                )
+                want = [
+                    plain.generate(input_ids=[ids], sampling_params=sp)[0]
+                    for ids, sp in zip(prompts, params)
+                ]
+                self.assertEqual(
+                    [o["output_ids"] for o in got], [o["output_ids"] for o in want]
+                )
+
+    def test_seeded_noise_is_exp1_and_its_own_per_position(self):
+        seeds = torch.arange(64)
+        e = seeded_log_e(seeds, torch.zeros(1, 64, dtype=torch.long), 4096).exp()
+        e = e.double()
+        self.assertAlmostEqual(e.mean().item(), 1.0, delta=0.02)  # sd 0.002
+        self.assertAlmostEqual((e > 1).double().mean().item(), math.exp(-1), delta=0.01)
+        two = seeded_log_e(seeds[:1], torch.tensor([[0], [1]]), 256)
+        self.assertFalse(torch.equal(two[0], two[1]))
 
 
 def _processed_p(
