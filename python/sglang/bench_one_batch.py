@@ -706,6 +706,8 @@ def main(argv=None) -> int:
         rows = run(args, on_row=write_json)
     except ValueError as e:  # e.g. a model path or a length the engine refuses
         print(f"bench_one_batch: error: {e}", file=sys.stderr)
+        if dist.is_initialized():  # a live gloo group aborts the exit
+            dist.destroy_process_group()
         return 2
     if not dist.is_initialized() or dist.get_rank() == 0:
         if args.json:  # the run is whole: its name
