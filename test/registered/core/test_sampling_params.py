@@ -254,6 +254,30 @@ class TestGreedyEqualsPlain(CustomTestCase):
             self.assertGreaterEqual(len(got), 12)
             self.assertFalse(any(t in stops + [EOS] for t in got[:12]))
 
+    def test_min_new_tokens_ends_at_the_first_stop_it_allows(self):
+        # Each request's first stop in the unconstrained output, at position
+        # p: with min_new_tokens = p the positions before p are masked (none
+        # held a stop) and p is not, so the output ends exactly there; with
+        # p + 1, p is masked too and the output goes past it.
+        stops = [ord(" ")]
+        firsts = [next(i for i, t in enumerate(o) if t in stops) for o in self.base]
+        self.assertGreater(len(set(firsts)), 2)  # boundaries at several places
+        for extra in (0, 1):
+            params = [
+                dict(max_new_tokens=24, ignore_eos=True, stop_token_ids=stops)
+                | {"min_new_tokens": p + extra}
+                for p in firsts
+            ]
+            plain, spark = self._both(params)
+            self.assertEqual(spark, plain)
+            for out, full, p in zip(plain, self.base, firsts):
+                if extra == 0:
+                    self.assertEqual(out, full[: p + 1])
+                else:
+                    self.assertEqual(out[:p], full[:p])
+                    self.assertNotIn(out[p], stops)
+                    self.assertGreater(len(out), p + 1)
+
     def test_eos_stops_unless_ignored(self):
         stopped = self._check({})
         self.assertTrue(any(len(o) < 24 and o[-1] == EOS for o in stopped))
