@@ -72,7 +72,7 @@ from sglang.srt.layers.moe.topk import select_experts
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components import dspark_draft
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
-from sglang.srt.utils.common import is_finite
+from sglang.srt.utils.common import interrupted, is_finite
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 
@@ -846,6 +846,8 @@ def main(argv=None) -> int:
     except ValueError as e:  # e.g. a request that does not fit the KV
         print(f"bench_dspark_step: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted("bench_dspark_step")
     report = format_dp_report if args.enable_dp_attention else format_report
     print(report(result, args), flush=True)
     if args.json:

@@ -31,6 +31,7 @@ import copy
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from typing import Callable, Dict
@@ -42,6 +43,7 @@ from sglang.bench_stats import median_ratio
 from sglang.srt.layers.sampler import SamplingMode
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components.dspark_verify import accept
+from sglang.srt.utils.common import interrupted
 
 # torch.export (2.13) fails to functionalize rejection_accept's first write,
 # out= into a view of a flat buffer of a product over the transposed logits,
@@ -209,7 +211,7 @@ def _same_results(worker, views, variants) -> bool:
     return torch.equal(lens_a, lens_b) and torch.equal(bonus_a, bonus_b)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=1)
@@ -230,12 +232,15 @@ def main(argv=None) -> None:
     except ValueError as e:
         p.error(f"--temperature: {e}")
     bench_plots.check_json_path(p, args.json)
-    out = probe(
-        temperature=args.temperature,
-        batch_size=args.batch_size,
-        trials=args.trials,
-        compiled=args.compiled,
-    )
+    try:
+        out = probe(
+            temperature=args.temperature,
+            batch_size=args.batch_size,
+            trials=args.trials,
+            compiled=args.compiled,
+        )
+    except KeyboardInterrupt:
+        return interrupted("bench_glue_cache")
     for prefix, label in (("", "accept"), ("compiled_", "compiled accept")):
         for way, us in out.get(prefix + "accept_us", {}).items():
             extra = ""
@@ -258,7 +263,8 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -78,6 +78,7 @@ from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
+from sglang.srt.utils.common import interrupted
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
@@ -703,12 +704,25 @@ def main(argv=None) -> int:
             os.replace(partial + ".tmp", partial)
 
     try:
-        rows = run(args, on_row=write_json)
+        return _run_and_report(args, write_json, partial)
     except ValueError as e:  # e.g. a model path or a length the engine refuses
         print(f"bench_one_batch: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        kept = args.json and os.path.exists(partial)
+        return interrupted(
+            "bench_one_batch", f"the rows done so far are in {partial}" if kept else ""
+        )
+    finally:
         if dist.is_initialized():  # a live gloo group aborts the exit
             dist.destroy_process_group()
-        return 2
+
+
+def _run_and_report(
+    args: argparse.Namespace, write_json: Callable[[List[Dict]], None], partial: str
+) -> int:
+    """The rows, then the JSON's final name, the plots and the exit code."""
+    rows = run(args, on_row=write_json)
     if not dist.is_initialized() or dist.get_rank() == 0:
         if args.json:  # the run is whole: its name
             os.replace(partial, args.json)
@@ -722,8 +736,6 @@ def main(argv=None) -> int:
                 }
                 paths.append(bench_plots.phases_plot(rows, args.plot_dir, phases))
             print("wrote " + ", ".join(paths))
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0 if all(r["greedy_output_equal"] is not False for r in rows) else 1
 
 

@@ -82,7 +82,7 @@ from sglang.srt.models.dspark import (
 )
 from sglang.srt.models.registry import DEFAULT_MODEL_PATH, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
-from sglang.srt.utils.common import is_finite
+from sglang.srt.utils.common import interrupted, is_finite
 from sglang.srt.utils.op_counter import OpCounter
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_configs")
@@ -1591,6 +1591,8 @@ def main(argv=None) -> int:
     except ValueError as e:  # what the engines refuse (a seed, a device, ...)
         print(f"bench_scaling: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted("bench_scaling")
     result["wall_s"] = time.perf_counter() - start
     print(format_report(result), flush=True)
     print(f"\nwall time {result['wall_s']:.1f} s")

@@ -59,6 +59,7 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.registry import CHECKPOINT_DIR, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.srt.utils.common import interrupted
 from sglang.stdlib_corpus import MASK_BYTE, load_stdlib_corpus, sample_prompts
 from sglang.train_tiny_pair.evaluate import evaluate_pair, format_report
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
@@ -652,6 +653,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"train_tiny_pair: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the phases resume from their snapshots
+        return interrupted("train_tiny_pair", f"the same command resumes from {work}")
     if "export" in args.phases:
         print(format_report(report))
         for d, size in report["bytes"].items():

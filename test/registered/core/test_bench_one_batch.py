@@ -422,12 +422,20 @@ class TestBenchOneBatch(CustomTestCase):
             argv = ["--batch-size", "1", "2", "--input-len", "4", "--output-len"]
             argv += ["3", "--temperature", "0", "--repeats", "1", "--json", path]
             argv += ["--model-path", "random-tiny-moe"]
+            err = io.StringIO()
             with (
                 mock.patch.object(bench_one_batch, "_format", format_then_fail),
                 contextlib.redirect_stdout(io.StringIO()),
-                self.assertRaises(KeyboardInterrupt),
+                contextlib.redirect_stderr(err),
             ):
-                bench_one_batch.main(argv)
+                code = bench_one_batch.main(argv)
+            self.assertEqual(code, 130)  # Ctrl-C: the rows so far named
+            self.assertEqual(  # after the progress bars (\r-ended): one line
+                err.getvalue().splitlines()[-1],
+                f"bench_one_batch: interrupted; the rows done so far are in "
+                f"{path}.partial",
+            )
+            self.assertNotIn("Traceback", err.getvalue())
             self.assertFalse(os.path.exists(path))
             with open(path + ".partial") as f:
                 rows = json.load(f)

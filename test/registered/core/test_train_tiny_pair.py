@@ -258,10 +258,19 @@ class TestTrainTinyPair(CustomTestCase):
                 return
             raise KeyboardInterrupt
 
-        written = []
-        with mock.patch("safetensors.torch.save_file", save_file):
-            with self.assertRaises(KeyboardInterrupt):
-                _run("--output-dir", out, "--work-dir", work, "--phases", "export")
+        written, err = [], io.StringIO()
+        with (
+            mock.patch("safetensors.torch.save_file", save_file),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(err),
+        ):
+            argv = ["--output-dir", out, "--work-dir", work, "--phases", "export"]
+            rc = main(["--tiny", *argv])
+        self.assertEqual(rc, 130)  # Ctrl-C: what to rerun, no traceback
+        self.assertEqual(
+            err.getvalue().splitlines()[-1],
+            f"train_tiny_pair: interrupted; the same command resumes from {work}",
+        )
         self.assertEqual(len(written), 1)
         self.assertEqual(_weights(out), first)
         self.assertEqual(sorted(os.listdir(out)), sorted([TARGET_NAME, DRAFT_NAME]))

@@ -1,6 +1,18 @@
-"""Small checks shared by the argument and parameter validators."""
+"""Small checks shared by the argument and parameter validators, and the
+command line tools' exit on Ctrl-C."""
 
 import math
+import sys
+
+# A shell's exit code for a process ended by Ctrl-C: 128 + SIGINT.
+EXIT_INTERRUPTED = 130
+
+
+def interrupted(prog: str, hint: str = "") -> int:
+    """A command line tool stopped by Ctrl-C: one line on stderr (with what
+    the user can do next), no traceback; returns the exit code."""
+    print(f"{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def is_finite(value) -> bool:

@@ -1,0 +1,96 @@
+"""Ctrl-C in the command line tools: one line on stderr saying what is left
+(the rows done so far, the work dir to resume from), no traceback, exit
+code 130; under torchrun the rank's process group is destroyed first."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from contextlib import redirect_stderr
+from io import StringIO
+from unittest import mock
+
+from sglang import bench_dspark_step, bench_glue_cache, bench_one_batch, bench_scaling
+from sglang.srt.utils.common import EXIT_INTERRUPTED
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang.train_tiny_pair import train
+
+register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+
+
+class TestInterruptedInProcess(CustomTestCase):
+    def test_each_tool_returns_130_with_one_line(self):
+        with tempfile.TemporaryDirectory() as d:
+            cases = (
+                (bench_one_batch, "run", []),
+                (bench_scaling, "run", ["--quick"]),
+                (bench_dspark_step, "run", []),
+                (bench_glue_cache, "probe", []),
+                (train, "run", ["--tiny", "--work-dir", d, "--output-dir", d]),
+            )
+            for module, runner, argv in cases:
+                name = module.__name__.rsplit(".", 1)[-1]
+                prog = "train_tiny_pair" if name == "train" else name
+                with self.subTest(tool=prog):
+                    err = StringIO()
+                    with (
+                        mock.patch.object(module, runner, side_effect=KeyboardInterrupt),
+                        redirect_stderr(err),
+                    ):
+                        try:
+                            code = module.main(argv)
+                        except KeyboardInterrupt:
+                            self.fail("Ctrl-C left main as a traceback")
+                    self.assertEqual(code, EXIT_INTERRUPTED)
+                    lines = err.getvalue().splitlines()
+                    self.assertEqual(len(lines), 1, lines)
+                    self.assertTrue(lines[0].startswith(f"{prog}: interrupted"))
+                    if module is train:  # a rerun resumes from its snapshots
+                        self.assertIn(f"resumes from {d}", lines[0])
+
+
+class TestBenchOneBatchSigint(CustomTestCase):
+    def test_a_real_ctrl_c_keeps_the_finished_rows(self):
+        # Two rows; SIGINT once the first is written: exit 130, no
+        # traceback, the first row kept in the .partial file the line names.
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "rows.json")
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            cmd = [sys.executable, "-m", "sglang.bench_one_batch"]
+            cmd += ["--batch-size", "1", "--temperature", "0", "1"]
+            cmd += ["--input-len", "8", "--repeats", "1", "--prompts", "random"]
+            cmd += ["--output-len", "8", "--num-prompts", "1", "--json", out]
+            # The second row long enough to be interrupted inside.
+            cmd += ["--block-steps", "1"]
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            try:
+                deadline = time.monotonic() + 120
+                while not os.path.exists(out + ".partial"):
+                    self.assertIsNone(proc.poll(), "it ended before its first row")
+                    self.assertLess(time.monotonic(), deadline)
+                    time.sleep(0.02)
+                proc.send_signal(signal.SIGINT)
+                _, err = proc.communicate(timeout=60)
+            finally:
+                proc.kill()
+            self.assertEqual(proc.returncode, EXIT_INTERRUPTED, err)
+            self.assertNotIn("Traceback", err)
+            self.assertIn(
+                f"bench_one_batch: interrupted; the rows done so far are in "
+                f"{out}.partial",
+                err,
+            )
+            self.assertFalse(os.path.exists(out))  # not named as a whole run
+            with open(out + ".partial") as f:
+                self.assertEqual([r["temperature"] for r in json.load(f)], [0.0])
+
+
+if __name__ == "__main__":
+    unittest.main()
