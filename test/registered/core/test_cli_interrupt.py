@@ -39,7 +39,9 @@ class TestInterruptedInProcess(CustomTestCase):
                 with self.subTest(tool=prog):
                     err = StringIO()
                     with (
-                        mock.patch.object(module, runner, side_effect=KeyboardInterrupt),
+                        mock.patch.object(
+                            module, runner, side_effect=KeyboardInterrupt
+                        ),
                         redirect_stderr(err),
                     ):
                         try:
