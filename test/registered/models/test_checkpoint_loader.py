@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import threading
 import unittest
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,6 +20,7 @@ from sglang.srt.model_loader.loader import (
     WEIGHTS_NAME,
     load_draft_checkpoint,
     load_target_checkpoint,
+    replace_dir,
     save_checkpoint,
 )
 from sglang.srt.models.registry import get_hf_config, load_draft, load_target
@@ -161,6 +163,32 @@ class TestCheckpointLoader(CustomTestCase):
         os.symlink(path, link)
         with self.assertRaisesRegex(ValueError, "is a symlink"):
             save_checkpoint(link, draft=self.draft)
+
+    def test_a_writer_moving_the_folder_between_the_checks_and_the_rename(self):
+        # The interleavings the threads above hit now and then, made certain:
+        # another writer moves the old folder away right after this one saw
+        # it, before its isdir check or before its own rename of it.
+        for before in ("isdir", "rename"):
+            with self.subTest(before=before):
+                parent = tempfile.mkdtemp(dir=self.root)
+                dst, src = os.path.join(parent, "ck"), os.path.join(parent, "new")
+                os.makedirs(os.path.join(dst, "old_file"))
+                os.makedirs(os.path.join(src, "new_file"))
+                real = {"isdir": os.path.isdir, "rename": os.rename}
+                moved = []
+
+                def other_writer_first(*args, _name=before):
+                    if not moved and args[0] == dst:
+                        moved.append(os.path.join(parent, "elsewhere"))
+                        real["rename"](dst, moved[0])
+                    return real[_name](*args)
+
+                target = "os.path.isdir" if before == "isdir" else "os.rename"
+                with mock.patch(target, side_effect=other_writer_first):
+                    replace_dir(src, dst)
+                self.assertEqual(moved, [os.path.join(parent, "elsewhere")])
+                self.assertEqual(os.listdir(dst), ["new_file"])
+                self.assertEqual(sorted(os.listdir(parent)), ["ck", "elsewhere"])
 
     def test_missing_files(self):
         self._assert_load_error(

@@ -433,10 +433,14 @@ def replace_dir(src: str, dst: str) -> None:
             if os.path.islink(dst):
                 raise ValueError(f"{dst!r} is a symlink: give the folder it points to")
             if os.path.lexists(dst):
-                if not os.path.isdir(dst):
+                # Not a folder, unless another writer just moved it away.
+                if not os.path.isdir(dst) and os.path.lexists(dst):
                     raise ValueError(f"{dst!r} exists and is not a directory")
                 olds.append(_staging(dst))
-                os.rename(dst, os.path.join(olds[-1], "old"))
+                try:
+                    os.rename(dst, os.path.join(olds[-1], "old"))
+                except FileNotFoundError:  # another writer moved it first
+                    pass
             try:
                 os.rename(src, dst)
                 return
