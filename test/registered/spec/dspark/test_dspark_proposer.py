@@ -1,5 +1,7 @@
 """DraftBlockProposer: block layout, shapes, num_token_non_padded at its call
-site, and the Markov head (tabulated for small vocabularies, low-rank above).
+site, the Markov head (tabulated for small vocabularies, low-rank above), and
+each slot's processed logits (min_new_tokens by its output position,
+penalties counting the drafts before it).
 
 The proposer is driven as the worker drives it in a step's draft phase:
 prepare (bind, pad, scalars, noise), the window, then propose."""
@@ -233,6 +235,77 @@ class TestDraftBlockProposer(CustomTestCase):
         torch.testing.assert_close(
             low_rank_logits, base + expected, rtol=1e-6, atol=1e-6
         )
+
+    def test_min_new_tokens_masks_each_slot_by_its_output_position(self):
+        # Slot k drafts output position out_lens + k: the stop ids are -inf
+        # in its processed logits while that position is below the request's
+        # min_new_tokens, and open from it on, slot by slot.
+        stops = [7, 11]
+        views, reqs = self._propose_processed(
+            [
+                SamplingParams(
+                    max_new_tokens=20,
+                    min_new_tokens=m,
+                    stop_token_ids=stops,
+                    ignore_eos=True,
+                )
+                for m in (2, 4, 0)
+            ]
+        )
+        out_lens = views.state.sampling.out_lens[:3].tolist()
+        self.assertEqual(out_lens, [1, 1, 1])  # the prefill's token
+        masked = views.corrected[:, :3, stops].isneginf()  # [gamma, bs, stops]
+        for k in range(self.gamma):
+            for b, req in enumerate(reqs):
+                early = out_lens[b] + k < req.sampling_params.min_new_tokens
+                with self.subTest(slot=k, request=b):
+                    self.assertEqual(masked[k, b].tolist(), [early] * len(stops))
+        self.assertTrue(bool(masked.any()) and not bool(masked.all()))
+
+    def test_penalties_count_the_drafts_before_each_slot(self):
+        # A frequency penalty at slot k counts the committed output and the
+        # block's own drafts d_1..d_k before it: the processed logits are the
+        # corrected ones less f times those counts.
+        f = 2.0
+        views, reqs = self._propose_processed(
+            [SamplingParams(max_new_tokens=20, frequency_penalty=f)] * 3
+        )
+        draft, bs, g = self.engine.worker.draft_model, 3, self.gamma
+        base = self.base_logits[-1].view(4, g, -1)[:bs]
+        drafts = views.drafts[:bs]
+        prev = torch.cat([views.state.last_ids[:bs, None], drafts[:, :-1]], 1)
+        counts = views.state.sampling.counts[:bs].clone()  # the output so far
+        self.assertEqual(counts.sum(1).tolist(), [1.0] * bs)
+        for k in range(g):
+            raw = base[:, k] + draft.markov_correction(prev[:, k])
+            expected = raw - (f * counts + 0.0 * (counts > 0))
+            with self.subTest(slot=k):
+                torch.testing.assert_close(
+                    views.corrected[k, :bs], expected, rtol=0, atol=1e-5
+                )
+            counts.scatter_add_(1, drafts[:, k : k + 1], torch.ones(bs, 1))
+        self.assertGreater(int(counts.sum()), bs * 2)  # the drafts were counted
+
+    def _propose_processed(self, params):
+        """The draft phase of a step for requests with these sampling
+        parameters (processed: penalties, min_new_tokens)."""
+        reqs = [
+            Req(rid=i, origin_input_ids=[5 + i, 9, 17 + 3 * i], sampling_params=p)
+            for i, p in enumerate(params)
+        ]
+        sched = self.engine.scheduler
+        for r in reqs:
+            sched.add_request(r)
+        sched._admit()
+        batch = ScheduleBatch.from_reqs(reqs, self.engine.worker.device)
+        extras = batch.sampling_info.extras
+        self.assertTrue(extras.processed)
+        worker, mode = self.worker, batch.sampling_mode
+        rows, _ = worker._prepare(batch, mode)
+        views = worker.buffers.at(rows)
+        worker._fill_window(views, max(batch.seq_lens_cpu) + self.gamma, plain=False)
+        self.proposer.propose(views=views, mode=mode, extras=extras)
+        return views, reqs
 
     def test_batch_over_capacity_is_an_error(self):
         reqs = self._make_batch().reqs
