@@ -191,5 +191,25 @@ class TestFullGraph(CustomTestCase):
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-4)
 
 
+class TestPlainStep(CustomTestCase):
+    def test_reads_the_anchors_keys_and_drops_the_blocks_confidence(self):
+        # A step that verifies no draft (budget 0) attends up to the longest
+        # sequence, its anchors' own kv_lens, not the verify window's gamma
+        # keys more; and the next plan expects the running acceptance again:
+        # no request keeps its last block's confidence.
+        engine = _running(TEMPERATURES["greedy"], budget=0)
+        worker, sched = engine.worker, engine.scheduler
+        reqs = list(sched.running)
+        for req in reqs:
+            req.spec_draft_confidence = [0.9] * worker.gamma
+        longest = max(len(r.origin_input_ids) + len(r.output_ids) for r in reqs)
+        sched.step()
+        rows = worker.graph_runner.padded_size(len(reqs))
+        metadata = worker.buffers.at(rows).plain_batch.attn_metadata
+        self.assertEqual(metadata.kv_bound, longest)
+        self.assertEqual([r.spec_draft_confidence for r in reqs], [None] * len(reqs))
+        self.assertEqual([len(r.output_ids) for r in reqs], [3] * len(reqs))
+
+
 if __name__ == "__main__":
     unittest.main()
