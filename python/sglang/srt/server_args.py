@@ -161,6 +161,7 @@ class ServerArgs:
         )
         for name in ("max_running_requests", "max_total_tokens", "context_length"):
             setattr(self, name, _checked_int(name, getattr(self, name), lo=1))
+        self._check_smallest_request_fits()
         if self.max_running_requests > self.max_total_tokens:
             raise ValueError(
                 f"max_running_requests={self.max_running_requests} exceeds "
@@ -195,6 +196,26 @@ class ServerArgs:
                 f"max_position={max_position}"
             )
         self._check_memory()
+
+    def _check_smallest_request_fits(self) -> None:
+        """Refuse sizes no request fits: the smallest, one prompt token and
+        one new token, spans 2 positions of context; under DSpark it holds
+        1 + gamma KV slots (its token and the verify window past it,
+        ``Scheduler.kv_need``), within the context too."""
+        width = self.speculative_num_draft_tokens if self.speculative_algorithm else 1
+        window = ""
+        if width > 1:
+            window = f" (its token and the verify's gamma={width - 1} slots past it)"
+        for name, need in (
+            ("context_length", max(2, width)),
+            ("max_total_tokens", width),
+        ):
+            value = getattr(self, name)
+            if value < need:
+                raise ValueError(
+                    f"{name}={value} fits no request: the smallest (one prompt "
+                    f"token, one new token) needs {need}{window}"
+                )
 
     def _check_dp_attention(self) -> None:
         if not isinstance(self.enable_dp_attention, bool):
@@ -273,13 +294,24 @@ class ServerArgs:
                 f"speculative_verify_budget='auto' plans with; got budget "
                 f"{self.speculative_verify_budget!r}, which would ignore it"
             )
+        if table is not None and os.path.isdir(table):
+            raise ValueError(
+                f"speculative_dspark_sps_table_path {table!r} is a folder; name "
+                f"the table's file"
+            )
         if table is not None and not os.path.exists(table):
-            # Measured at start-up and saved there: its folder must exist.
+            # Measured at start-up and saved there: its folder must exist and
+            # take the file, checked before the measurement runs.
             folder = os.path.dirname(os.path.abspath(table))
             if not os.path.isdir(folder):
                 raise ValueError(
                     f"speculative_dspark_sps_table_path {table!r}: no such file, "
                     f"and its folder {folder!r} does not exist to save it in"
+                )
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise ValueError(
+                    f"speculative_dspark_sps_table_path {table!r}: no such file, "
+                    f"and its folder {folder!r} is not writable to save it in"
                 )
         if algo is None:
             # Options plain decoding would ignore: refuse them rather than drop.

@@ -49,6 +49,7 @@ class TestServerArgsValidation(CustomTestCase):
             ),
             ({"max_total_tokens": 0}, "max_total_tokens .* got 0"),
             ({"context_length": 64.0}, "context_length .* got 64.0"),
+            ({"context_length": 1}, "context_length=1 fits no request: .* needs 2$"),
             ({"cuda_graph_bs": [1.5]}, r"cuda_graph_bs .* got \[1.5\]"),
             ({"cuda_graph_bs": []}, r"cuda_graph_bs .* got \[\]"),
             ({"cuda_graph_bs": 4}, "cuda_graph_bs .* got 4"),
@@ -177,12 +178,62 @@ class TestServerArgsValidation(CustomTestCase):
             (6, int),
         )
 
+    def test_dspark_sizes_fit_the_smallest_request(self):
+        # The smallest request holds its token and gamma verify slots past
+        # it: sizes below that are refused, naming the field; at it, the
+        # request runs and gives plain decoding's token.
+        width = ServerArgs(speculative_algorithm="DSPARK").speculative_num_draft_tokens
+        for name in ("context_length", "max_total_tokens"):
+            kw = dict(context_length=width, max_total_tokens=width)
+            kw[name] = width - 1
+            with (
+                self.subTest(name=name),
+                self.assertRaisesRegex(
+                    ValueError,
+                    f"^{name}={width - 1} fits no request: .* needs {width} ",
+                ),
+            ):
+                ServerArgs(speculative_algorithm="DSPARK", max_running_requests=1, **kw)
+        outputs = []
+        for algo, size in ((None, 2), ("DSPARK", width)):
+            engine = Engine(
+                speculative_algorithm=algo,
+                context_length=size,
+                max_total_tokens=size,
+                max_running_requests=1,
+                device="cpu",
+            )
+            out = engine.generate(
+                input_ids=[[3]], sampling_params={"max_new_tokens": 1}
+            )
+            outputs.append(out[0]["output_ids"])
+        self.assertEqual(len(outputs[0]), 1)
+        self.assertEqual(outputs[0], outputs[1])
+
     def test_cost_table_path(self):
-        # Refused before the start-up measurement runs: empty, not a str, or
-        # a new file in a folder that does not exist.
+        # Refused before the start-up measurement runs: empty, not a str, a
+        # folder, or a new file in a folder that does not exist or that it
+        # cannot be written to.
+        with tempfile.TemporaryDirectory() as d:
+            folder = os.path.realpath(d)
+            access = os.access
+
+            def read_only(path, mode):  # the folder as a non-root user sees it
+                return False if path == folder else access(path, mode)
+
+            with (
+                self.subTest(path="read-only folder"),
+                mock.patch("os.access", read_only),
+                self.assertRaisesRegex(ValueError, "is not writable to save it in"),
+            ):
+                ServerArgs(
+                    speculative_algorithm="DSPARK",
+                    speculative_dspark_sps_table_path=os.path.join(folder, "t.json"),
+                )
         for bad, needle in (
             ("", "non-empty str"),
             (3, "non-empty str"),
+            (tempfile.gettempdir(), "is a folder; name the table's file"),
             ("/nonexistent/dir/table.json", "does not exist to save it in"),
         ):
             with self.subTest(path=bad):
