@@ -97,7 +97,7 @@ def _checked_device(value) -> str:
                 f"device={value!r} but only {torch.cuda.device_count()} CUDA "
                 f"device(s) exist"
             )
-    return str(device)
+    return "cpu" if device.type == "cpu" else str(device)  # one CPU: no index
 
 
 @dataclass

@@ -107,6 +107,7 @@ class TestServerArgsValidation(CustomTestCase):
             dist_timeout=np.float32(2.5),
         )
         self.assertEqual(args.device, "cpu")
+        self.assertEqual(ServerArgs(device="cpu:3").device, "cpu")
         self.assertEqual((args.random_seed, type(args.random_seed)), (7, int))
         self.assertEqual(type(args.max_running_requests), int)
         self.assertEqual(args.cuda_graph_bs, [1, 2, 4])
