@@ -191,6 +191,29 @@ class TestFullGraph(CustomTestCase):
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-4)
 
 
+class TestRaggedSchedule(CustomTestCase):
+    def test_a_seeded_row_is_scheduled_by_its_own_drafts(self):
+        # Three sampled requests, the middle one seeded, 4 of 15 drafts
+        # verified. The unseeded rows are blind (gains 0.5, 0.25, ...
+        # whatever their drafts); the seeded row's output does not depend on
+        # what is verified, so its own confidence decides its share: all of
+        # the budget when it is sure, none when it is not. Were it blind too,
+        # three equal rows would split the budget 2/1/1 either way.
+        engine = _running(TEMPERATURES["sampled"], budget=4, extras=True)
+        worker, batch = engine.worker, engine.scheduler._batch
+        mode, extras = batch.sampling_mode, batch.sampling_info.extras
+        rows, budget = worker._prepare(batch, mode)
+        self.assertEqual((rows, budget), (3, 4))
+        v = worker.buffers.at(rows)
+        self.assertEqual(v.state.sampling.is_seeded.view(-1).tolist(), [0, 1, 0])
+        for sure, lens in ((1.0, [0, 4, 0]), (0.0, [2, 0, 2])):
+            with self.subTest(confidence=sure):
+                v.confidence.fill_(0.9)  # the blind rows': never read
+                v.confidence[:, 1] = sure
+                worker._lay_out_ragged(v, rows, budget, mode, extras)
+                self.assertEqual(v.verify_lens.tolist(), lens)
+
+
 class TestPlainStep(CustomTestCase):
     def test_reads_the_anchors_keys_and_drops_the_blocks_confidence(self):
         # A step that verifies no draft (budget 0) attends up to the longest
