@@ -219,11 +219,14 @@ class TestCheckpointLoader(CustomTestCase):
             # Heads of an even size that split the hidden state: 64 / 5 do not.
             ({"num_heads": 5}, ("'num_heads' is 5", "hidden_size=64")),
             ({"num_heads": 128}, ("'num_heads' is 128",)),
+            ({"top_k": 9}, ("'top_k' is 9", "num_experts=8")),
+            ({"dspark_top_k": 5}, ("'dspark_top_k' is 5", "dspark_num_experts=4")),
+            ({"torch_dtype": "float16"}, ("'torch_dtype' is 'float16'", "bfloat16")),
         ):
             with self.subTest(changes=changes):
                 path = self._copy(self.bundle)
                 self._edit_config(path, **changes)
-                loading_draft = "dspark_markov_rank" in changes
+                loading_draft = any(k.startswith("dspark_") for k in changes)
                 self._assert_load_error(
                     path, CONFIG_NAME, *needles, draft=loading_draft
                 )
@@ -242,6 +245,12 @@ class TestCheckpointLoader(CustomTestCase):
             ({"dspark_markov_rank": 8}, (weights, "dspark_markov_rank=8"), True),
             ({"dspark_num_layers": 2}, (weights, "dspark_num_layers=2"), True),
             ({"dspark_target_layer_ids": [1]}, (weights, "dspark.fc.weight"), True),
+            # Sizes no memory holds: refused by the shapes, before allocating.
+            (
+                {"vocab_size": 10**12},
+                (weights, "embed_tokens", "vocab_size=1000000000000"),
+                False,
+            ),
         ):
             with self.subTest(changes=changes):
                 path = self._copy(self.bundle)
@@ -256,6 +265,25 @@ class TestCheckpointLoader(CustomTestCase):
         tensors[name] = torch.zeros(2, dtype=torch.bfloat16)
         save_file(tensors, file)
         return path
+
+    def test_tensors_in_another_dtype(self):
+        # The format stores bf16: another float (fp8 among them, which the
+        # finiteness check cannot read) is refused, naming the tensor.
+        for draft, name in ((False, "lm_head.weight"), (True, "dspark.fc.weight")):
+            for dtype in (torch.float16, torch.float32, torch.float8_e4m3fn):
+                with self.subTest(tensor=name, dtype=dtype):
+                    path = self._copy(self.bundle)
+                    file = os.path.join(path, WEIGHTS_NAME)
+                    tensors = load_file(file)
+                    tensors[name] = tensors[name].to(dtype)
+                    save_file(tensors, file)
+                    self._assert_load_error(
+                        path,
+                        WEIGHTS_NAME,
+                        f"tensor {name!r} has dtype {dtype}",
+                        "store torch.bfloat16",
+                        draft=draft,
+                    )
 
     def test_unexpected_tensors(self):
         path = self._with_tensor(self.bundle, "layers.9.extra")

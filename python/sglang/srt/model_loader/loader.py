@@ -80,6 +80,12 @@ def read_config(path: str) -> dict:
     cfg = read_json(file)
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: must hold a JSON object")
+    stored = str(STORAGE_DTYPE).removeprefix("torch.")
+    if cfg.get("torch_dtype", stored) != stored:
+        raise ValueError(
+            f"{file}: field 'torch_dtype' is {cfg['torch_dtype']!r}; checkpoints "
+            f"store {stored!r}"
+        )
     arch = cfg.get("architectures")
     if arch not in ([TARGET_ARCH], [DRAFT_ARCH]):
         raise ValueError(
@@ -107,12 +113,22 @@ def target_config_from(cfg: dict, *, path: str) -> TinyMoEConfig:
             f"{file}: field 'architectures' is {cfg['architectures']!r}, not a target model"
         )
     config = TinyMoEConfig(**{f: _int_field(cfg, f, file) for f in _TARGET_FIELDS})
+    _check_top_k(config, file, prefix="")
     if config.hidden_size % config.num_heads or config.head_dim % 2:
         raise ValueError(
             f"{file}: field 'num_heads' is {config.num_heads}, but hidden_size="
             f"{config.hidden_size} must split into heads of an even size (rotary)"
         )
     return config
+
+
+def _check_top_k(config, file: str, *, prefix: str) -> None:
+    """Each row's experts are distinct experts of the layer's."""
+    if config.top_k > config.num_experts:
+        raise ValueError(
+            f"{file}: field '{prefix}top_k' is {config.top_k}, more than "
+            f"{prefix}num_experts={config.num_experts}"
+        )
 
 
 def bundles_draft(cfg: dict) -> bool:
@@ -147,7 +163,9 @@ def draft_config_from(cfg: dict, *, path: str) -> DSparkDraftConfig:
         else:
             minimum = 0 if name == "dspark_noise_token_id" else 1
             values[attr] = _int_field(cfg, name, file, minimum=minimum)
-    return DSparkDraftConfig(**values)
+    config = DSparkDraftConfig(**values)
+    _check_top_k(config, file, prefix="dspark_")
+    return config
 
 
 def _expected_shapes(
@@ -226,9 +244,10 @@ def _check_tensors(
             raise ValueError(
                 f"{file}: tensor {name!r} has shape {list(got)}, but {cfg_file} ({why}) implies {list(shape)}"
             )
-        if not tensors[name].is_floating_point():
+        if tensors[name].dtype != STORAGE_DTYPE:
             raise ValueError(
-                f"{file}: tensor {name!r} has dtype {tensors[name].dtype}, not a float"
+                f"{file}: tensor {name!r} has dtype {tensors[name].dtype}; "
+                f"checkpoints store {STORAGE_DTYPE}"
             )
         finite = torch.isfinite(tensors[name])
         if not bool(finite.all()):
@@ -282,17 +301,14 @@ def load_target_checkpoint(
 ) -> TinyMoEForCausalLM:
     """The target model of a checkpoint directory, cast to ``dtype``."""
     cfg = read_config(path)
-    model = TinyMoEForCausalLM(target_config_from(cfg, path=path)).to(dtype)
+    config = target_config_from(cfg, path=path)
     tensors = _read_tensors(path)
     if not bundles_draft(cfg) and any(n.startswith(DRAFT_PREFIX) for n in tensors):
         _check_tensors(tensors, {}, path=path, fields=_int_fields(cfg), own="draft")
-    _check_tensors(
-        tensors,
-        _expected_shapes(model, prefix=""),
-        path=path,
-        fields=_int_fields(cfg),
-        own="target",
-    )
+    with torch.device("meta"):  # the shapes, before sizes a typo made allocate
+        shapes = _expected_shapes(TinyMoEForCausalLM(config), prefix="")
+    _check_tensors(tensors, shapes, path=path, fields=_int_fields(cfg), own="target")
+    model = TinyMoEForCausalLM(config).to(dtype)
     _load_into(model, tensors, prefix="")
     return model.to(device).eval()
 
@@ -336,7 +352,6 @@ def load_draft_checkpoint(
             f"{file}: field 'dspark_noise_token_id' is {draft_cfg.mask_token_id}, outside "
             f"the target's vocab_size={tcfg.vocab_size}"
         )
-    draft = DSparkDraftModel(draft_cfg, target)
     tensors = _read_tensors(path)
     if cfg["architectures"] == [DRAFT_ARCH]:  # a draft alone: nothing else
         stray = sorted(n for n in tensors if not n.startswith(DRAFT_PREFIX))
@@ -346,13 +361,16 @@ def load_draft_checkpoint(
                 f"{stray[0]!r} in a draft-only checkpoint (its tensors are "
                 f"{DRAFT_PREFIX}*; the embedding and LM head are the target's)"
             )
-    expected = _expected_shapes(draft, prefix=DRAFT_PREFIX, skip=_SHARED)
+    with torch.device("meta"):  # its own modules; the shared ones are real
+        meta = DSparkDraftModel(draft_cfg, target)
+    expected = _expected_shapes(meta, prefix=DRAFT_PREFIX, skip=_SHARED)
     fields = {
         **_int_fields(cfg),
         "hidden_size": tcfg.hidden_size,
         "vocab_size": tcfg.vocab_size,
     }
     _check_tensors(tensors, expected, path=path, fields=fields, own="draft")
+    draft = DSparkDraftModel(draft_cfg, target)
     draft.to(dtype)  # copy_ below casts the stored bf16 to the run dtype
     _load_into(draft, tensors, prefix=DRAFT_PREFIX, skip=_SHARED)
     return draft.to(device).eval()
