@@ -26,6 +26,23 @@ class TestOpCounter(CustomTestCase):
         self.assertEqual((c.ops, c.allocs), (3, 1))
         self.assertEqual(c.by_op["aten::mul.Tensor"], 1)
 
+    def test_an_op_that_reallocates_its_output_allocates(self):
+        # An out= buffer of the wrong size, or a resize_ past the storage,
+        # gets new storage under the same tensor; one of the right size
+        # does not.
+        x, right, empty, small = (
+            torch.ones(4),
+            torch.zeros(4),
+            torch.empty(0),
+            torch.zeros(2),
+        )
+        with OpCounter() as c:
+            torch.add(x, 1, out=right)
+        with OpCounter() as d:
+            torch.add(x, 1, out=empty)
+            small.resize_(1 << 16)
+        self.assertEqual((c.allocs, d.allocs), (0, 2))
+
     def test_host_reads(self):
         x = torch.arange(6)
         with OpCounter() as c:
@@ -36,6 +53,30 @@ class TestOpCounter(CustomTestCase):
             x.sum()  # stays a tensor: no read
         self.assertEqual(c.host_reads, 4)
         self.assertEqual(c.counts()["host_reads"], 4)
+
+    def test_reads_inside_a_kernel(self):
+        # Ops whose output size or result comes from data, read inside the
+        # kernel (no nonzero or item dispatched): one read each. Index and
+        # repeat by positions, or with the size given, read nothing.
+        x, mask, reps = torch.arange(6.0), torch.arange(6) > 2, torch.tensor([1, 2])
+        for name, read, fn in (
+            ("x[mask]", 1, lambda: x[mask]),
+            ("x[mask] = 0", 1, lambda: x.clone().__setitem__(mask, 0.0)),
+            ("allclose", 1, lambda: torch.allclose(x, x)),
+            ("repeat_interleave(reps)", 1, lambda: torch.repeat_interleave(reps)),
+            ("x.repeat_interleave(reps)", 1, lambda: x[:2].repeat_interleave(reps)),
+            ("x[positions]", 0, lambda: x[torch.tensor([0, 2])]),
+            ("x[positions] = 0", 0, lambda: x.clone().index_put_((reps,), x[:2])),
+            (
+                "repeat_interleave(reps, output_size=3)",
+                0,
+                lambda: x[:2].repeat_interleave(reps, output_size=3),
+            ),
+        ):
+            with self.subTest(name):
+                with OpCounter() as c:
+                    fn()
+                self.assertEqual(c.host_reads, read)
 
     def test_reads_of_cpu_memory_that_dispatch_nothing(self):
         # A CPU tensor's .tolist() / .numpy() / numpy.asarray() read its

@@ -12,7 +12,9 @@ compare variants without timing noise.
 - ``h2d_copies``: copies from host memory into a device tensor;
 - ``host_reads``: ops that make the host wait for device data: ``.item()``
   and ``int()`` / ``bool()`` of a tensor (``_local_scalar_dense``),
-  ``nonzero``, ``equal``, ``masked_select``, ``unique``, and copies from a
+  ``nonzero``, ``equal``, ``allclose``, ``masked_select``, ``unique``,
+  indexing by a bool mask (``x[m]``, ``x[m] = v``: a ``nonzero`` inside the
+  kernel), ``repeat_interleave`` without ``output_size``, and copies from a
   device to host memory; and ``.tolist()``, ``.numpy()`` and
   ``numpy.asarray()`` of a CPU tensor, which read its memory without
   dispatching an op (a device tensor's copy to the host is the op counted):
@@ -37,12 +39,35 @@ _HOST_READS = {
     _aten._local_scalar_dense.default,
     _aten.nonzero.default,
     _aten.equal.default,
+    _aten.allclose.default,
     _aten.is_nonzero.default,
     _aten.masked_select.default,
     _aten._unique2.default,
     _aten.unique_consecutive.default,
     _aten.unique_dim.default,
 }
+
+# Index ops whose bool (or uint8) mask indices become positions in the
+# kernel, a data-dependent size.
+_MASK_INDEXING = {
+    _aten.index.Tensor,
+    _aten.index_put.default,
+    _aten.index_put_.default,
+    _aten._index_put_impl_.default,
+}
+
+
+def _waits_for_data(func, args, kwargs) -> bool:
+    """Whether the op's output size, or its result, is read from data."""
+    if func in _HOST_READS:
+        return True
+    if func in _MASK_INDEXING:
+        return any(
+            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        )
+    if func is _aten.repeat_interleave.Tensor:  # (repeats, *, output_size)
+        return kwargs.get("output_size") is None
+    return False
 
 
 # Read a CPU tensor's memory from Python without an aten op.
@@ -100,14 +125,16 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.ops += 1
-        self.by_op[func.name()] += 1
         inputs = [
             t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         ]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        # The inputs' storages before the op: one it reallocates (an out=
+        # resized, a resize_) is new.
         seen = {_storage(t) for t in inputs if t.device.type != "meta"}
+        out = func(*args, **kwargs)
+        self.ops += 1
+        self.by_op[func.name()] += 1
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in outputs:
             fresh = func in _FRESH or _storage(t) not in seen
             if not fresh:
@@ -116,7 +143,7 @@ class OpCounter(TorchDispatchMode):
             if t.dim() == 0 and t.dtype == torch.int32:
                 self.int32_scalars += 1
                 self.int32_scalar_sites.append(func.name())
-        if func in _HOST_READS:
+        if _waits_for_data(func, args, kwargs):
             self.host_reads += 1
         elif func in _COPIES:
             to_device = any(t.device.type != "cpu" for t in outputs)
