@@ -33,7 +33,7 @@ from sglang.srt.models.tiny_moe import TinyMoEConfig
 from sglang.srt.runtime_context import MOE_A2A_BACKENDS
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
-from sglang.srt.utils.common import is_finite
+from sglang.srt.utils.common import is_finite, max_num_threads
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
 KV_CACHE_DTYPE = torch.float32
@@ -172,6 +172,11 @@ class ServerArgs:
             self.num_threads = 1
         if self.num_threads is not None:
             self.num_threads = _checked_int("num_threads", self.num_threads, lo=1)
+            if self.num_threads > max_num_threads():
+                raise ValueError(
+                    f"num_threads must be at most {max_num_threads()} (this "
+                    f"machine's cores), got {self.num_threads}"
+                )
         vocab = target_config.vocab_size
         if self.eos_token_id is not None:
             self.eos_token_id = _checked_int(

@@ -59,7 +59,7 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.registry import CHECKPOINT_DIR, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
-from sglang.srt.utils.common import interrupted
+from sglang.srt.utils.common import interrupted, max_num_threads
 from sglang.stdlib_corpus import MASK_BYTE, load_stdlib_corpus, sample_prompts
 from sglang.train_tiny_pair.evaluate import evaluate_pair, format_report
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
@@ -174,17 +174,29 @@ def _train_loop(
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % every == 0 and step + 1 < steps:
-            tmp = snapshot + ".tmp"
-            torch.save(
+            save_whole(
                 {
                     "model": state_modules.state_dict(),
                     "optimizer": opt.state_dict(),
                     "step": step + 1,
                 },
-                tmp,
+                snapshot,
             )
-            os.replace(tmp, snapshot)  # atomic: a kill never leaves half a file
     bar.close()
+
+
+def save_whole(obj, path: str) -> None:
+    """``torch.save`` that a kill or an error never leaves half done at
+    ``path`` (a rerun skips a phase whose output exists): written beside it,
+    then renamed."""
+    tmp = path + ".tmp"
+    try:
+        torch.save(obj, tmp)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
 
 
 def _byte_stream(files: List[bytes]) -> torch.Tensor:
@@ -324,7 +336,7 @@ def make_distill_data(cfg: TrainConfig, train_files: List[bytes], work: str) -> 
                 )
             )
     data = torch.cat(seqs)[: cfg.num_distill_seqs].to(torch.uint8)
-    torch.save({"seqs": data}, os.path.join(work, "distill.pt"))
+    save_whole({"seqs": data}, os.path.join(work, "distill.pt"))
 
 
 @dataclass(frozen=True)
@@ -631,12 +643,17 @@ def main(argv=None) -> int:
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
             cfg = replace(cfg, **{name: getattr(args, name)})
+    if not 0 <= args.seed < 2**63:
+        p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.num_threads is not None:
-        if args.num_threads < 1:
-            p.error("--num-threads must be >= 1")
+        cores = max_num_threads()
+        if not 1 <= args.num_threads <= cores:
+            p.error(f"--num-threads must be in [1, {cores}] (this machine's cores)")
         torch.set_num_threads(args.num_threads)
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        p.error(f"--output-dir {args.output_dir} exists and is not a directory")
+    for flag in ("output_dir", "work_dir"):
+        path = getattr(args, flag)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            p.error(f"--{flag.replace('_', '-')} {path} exists and is not a directory")
     work = args.work_dir or os.path.join(
         tempfile.gettempdir(),
         f"sglang_train_tiny_pair_s{cfg.seed}_t{cfg.target_steps}_d{cfg.draft_steps}"

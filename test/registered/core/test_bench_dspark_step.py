@@ -165,6 +165,7 @@ class TestBenchDSparkStep(CustomTestCase):
             ["--profile", __file__],  # a file, not a folder
             ["--ep-timeout", "-1"],
             ["--profile-steps", "0"],
+            ["--num-threads", str(os.cpu_count() + 1)],  # torch's pool crashes
         ):
             with self.subTest(argv=bad):
                 with mock.patch.object(bench_dspark_step, "run") as run:

@@ -61,6 +61,10 @@ class TestServerArgsValidation(CustomTestCase):
             ({"eos_token_id": -1}, "eos_token_id .* got -1"),
             ({"num_threads": 0}, "num_threads .* got 0"),
             (
+                {"num_threads": os.cpu_count() + 1},
+                f"num_threads must be at most {os.cpu_count()} .* got",
+            ),
+            (
                 {"disable_cuda_graph": "yes"},
                 "disable_cuda_graph must be a bool, got 'yes'",
             ),

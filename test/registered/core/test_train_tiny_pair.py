@@ -29,6 +29,7 @@ from sglang.train_tiny_pair.train import (
     block_distill_loss,
     main,
     new_draft,
+    save_whole,
     target_loss,
 )
 
@@ -289,6 +290,22 @@ class TestTrainTinyPair(CustomTestCase):
         self.assertEqual(draft.markov_w1.weight.shape, (256, 8))
         self.assertEqual(draft.markov_w2.weight.shape, (256, 8))
 
+    def test_a_save_that_fails_leaves_nothing_at_its_path(self):
+        # A rerun skips a phase whose output exists, so a save cut short
+        # must leave none (nor its temporary); one that ends leaves it whole.
+        path = os.path.join(self.root, "distill.pt")
+
+        class Unpicklable:
+            def __reduce__(self):
+                raise KeyboardInterrupt  # as a Ctrl-C in the middle of the write
+
+        with self.assertRaises(KeyboardInterrupt):
+            save_whole({"seqs": torch.zeros(1 << 16), "later": Unpicklable()}, path)
+        self.assertFalse(os.path.exists(path))
+        self.assertFalse(os.path.exists(path + ".tmp"))
+        save_whole({"seqs": torch.arange(5)}, path)
+        self.assertTrue(torch.equal(torch.load(path)["seqs"], torch.arange(5)))
+
     def test_bad_steps_are_rejected(self):
         a_file = os.path.join(self.root, "a_file")
         open(a_file, "w").close()
@@ -297,7 +314,11 @@ class TestTrainTinyPair(CustomTestCase):
             ("--draft-steps", "0"),
             ("--markov-rank", "0"),
             ("--num-threads", "0"),
+            ("--num-threads", str(os.cpu_count() + 1)),  # torch's pool crashes
+            ("--seed", str(2**63)),  # past the generator's seed
+            ("--seed", "-1"),
             ("--output-dir", a_file),  # refused before any training
+            ("--work-dir", a_file),
         ):
             with (
                 self.subTest(flag=flag),

@@ -2,6 +2,7 @@
 command line tools' exit on Ctrl-C."""
 
 import math
+import os
 import sys
 
 # A shell's exit code for a process ended by Ctrl-C: 128 + SIGINT.
@@ -23,3 +24,9 @@ def is_finite(value) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def max_num_threads() -> int:
+    """The most intra-op threads a run may ask torch for: this machine's
+    cores (far past them, torch's thread pool crashes the process)."""
+    return os.cpu_count() or 1
