@@ -54,6 +54,11 @@ _SAMPLED_COMPILE_LIMIT = (
 )
 
 
+# Each request's prompt and new tokens: long enough that no request ends
+# during the probe's steps.
+_PROMPT_LEN, _NEW_TOKENS = 16, 400
+
+
 def compile_accept(worker, bs: int, logits: torch.Tensor, mode) -> Callable[[], None]:
     """``accept`` over the worker's buffers at ``bs`` rows, compiled with
     AOTInductor: the arena's storages are the program's inputs (each once;
@@ -129,17 +134,24 @@ def probe(
         speculative_algorithm="DSPARK",
         device="cpu",
         max_running_requests=max(8, batch_size),
-        max_total_tokens=max(4096, 64 * batch_size),
+        # Each request's prompt, outputs and verify window (Scheduler.kv_need).
+        max_total_tokens=max(4096, (_PROMPT_LEN + _NEW_TOKENS + 32) * batch_size),
     )
     worker, rng = engine.worker, random.Random(seed)
     for i in range(batch_size):
-        prompt = [rng.randrange(3, 200) for _ in range(16)]
-        params = SamplingParams(max_new_tokens=400, temperature=temperature)
+        prompt = [rng.randrange(3, 200) for _ in range(_PROMPT_LEN)]
+        params = SamplingParams(max_new_tokens=_NEW_TOKENS, temperature=temperature)
         engine.scheduler.add_request(
             Req(rid=str(i), origin_input_ids=prompt, sampling_params=params)
         )
     for _ in range(4):  # prefill, then decode steps: the buffers hold a step
         engine.scheduler.step()
+    running = len(engine.scheduler.running)
+    if running != batch_size:  # the rows timed would be stale
+        raise ValueError(
+            f"{running} of the batch's {batch_size} requests are decoding: the "
+            f"KV pool holds no more"
+        )
     views = worker.buffers.at(batch_size)
     logits = torch.randn(
         views.verify_batch.num_tokens,
@@ -148,7 +160,12 @@ def probe(
     )
     mode = SamplingMode.SAMPLED if temperature > 0 else SamplingMode.GREEDY
     variants = {"eager": lambda: accept(views=views, target_logits=logits, mode=mode)}
-    out = {"temperature": temperature, "batch_size": batch_size, "trials": trials}
+    out = {
+        "temperature": temperature,
+        "batch_size": batch_size,
+        "requests_decoding": running,
+        "trials": trials,
+    }
     if compiled:
         variants["compiled"] = compile_accept(worker, batch_size, logits, mode)
         out["compiled_same_as_eager"] = _same_results(worker, views, variants)
@@ -239,6 +256,9 @@ def main(argv=None) -> int:
             trials=args.trials,
             compiled=args.compiled,
         )
+    except ValueError as e:  # what the engine refuses (e.g. sizes past memory)
+        print(f"bench_glue_cache: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return interrupted("bench_glue_cache")
     for prefix, label in (("", "accept"), ("compiled_", "compiled accept")):

@@ -71,6 +71,18 @@ class TestGlueCacheProbe(CustomTestCase):
                     main(argv)
                 self.assertEqual(caught.exception.code, 2)
                 self.assertIn(says, err.getvalue())
+        # What the engine refuses (a KV pool past memory): one error line.
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(main(["--batch-size", str(10**7)]), 2)
+        self.assertRegex(err.getvalue(), r"^bench_glue_cache: error: the pools need")
+        self.assertNotIn("Traceback", err.getvalue())
+
+    def test_every_request_of_the_batch_decodes(self):
+        # 12 requests of 420 KV slots each: all decoding while timed (a
+        # pool of 4096 slots held 9; the other rows' buffers were stale).
+        out = probe(temperature=0.0, batch_size=12, trials=10)
+        self.assertEqual((out["batch_size"], out["requests_decoding"]), (12, 12))
 
 
 if __name__ == "__main__":
