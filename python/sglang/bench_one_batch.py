@@ -694,6 +694,7 @@ def main(argv=None) -> int:
     bench_plots.prepare_plot_dir(p, args.plot_dir)
 
     partial = f"{args.json}.partial"
+    wrote = []  # whether this run wrote F.partial (a file there may be older)
 
     def write_json(rows: List[Dict]) -> None:  # after each row: none is lost
         if args.json:  # (the printing rank's rows: rank 0's under DP)
@@ -702,6 +703,7 @@ def main(argv=None) -> int:
             with open(partial + ".tmp", "w") as f:
                 json.dump(rows, f, indent=2)
             os.replace(partial + ".tmp", partial)
+            wrote.append(True)
 
     try:
         return _run_and_report(args, write_json, partial)
@@ -709,7 +711,7 @@ def main(argv=None) -> int:
         print(f"bench_one_batch: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        kept = args.json and os.path.exists(partial)
+        kept = bool(wrote)  # an earlier run's F.partial holds none of these
         return interrupted(
             "bench_one_batch", f"the rows done so far are in {partial}" if kept else ""
         )

@@ -55,6 +55,36 @@ class TestInterruptedInProcess(CustomTestCase):
                     if module is train:  # a rerun resumes from its snapshots
                         self.assertIn(f"resumes from {d}", lines[0])
 
+    def test_bench_one_batch_names_only_its_own_rows(self):
+        # A Ctrl-C before the first row leaves nothing of this run: the line
+        # names no file, not an earlier run's F.partial; after a row, it
+        # names the file that holds it.
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "out.json")
+            with open(out + ".partial", "w") as f:
+                json.dump([{"batch_size": 1}], f)  # an earlier run's row
+
+            def rows_then_interrupt(n):
+                def run(args, on_row):
+                    for i in range(n):
+                        on_row([{"batch_size": 2}] * (i + 1))
+                    raise KeyboardInterrupt
+
+                return run
+
+            for n, named in ((0, False), (1, True)):
+                err = StringIO()
+                with (
+                    self.subTest(rows=n),
+                    mock.patch.object(bench_one_batch, "run", rows_then_interrupt(n)),
+                    redirect_stderr(err),
+                ):
+                    code = bench_one_batch.main(["--json", out])
+                    self.assertEqual(code, EXIT_INTERRUPTED)
+                    self.assertEqual(out + ".partial" in err.getvalue(), named)
+            with open(out + ".partial") as f:
+                self.assertEqual(json.load(f), [{"batch_size": 2}])
+
 
 class TestBenchOneBatchSigint(CustomTestCase):
     def test_a_real_ctrl_c_keeps_the_finished_rows(self):
