@@ -3,11 +3,13 @@
 Every field is type- and range-checked here, before anything is allocated;
 a bad value is a ValueError naming the field and the value. numpy integer
 and float scalars are accepted and stored as Python numbers. The memory the
-KV pools and the request table will take is computed up front, and a
-configuration that needs more than ``mem_fraction_static`` of the memory
-available on the device now is rejected before any of it is allocated.
+KV pools, the request table, the step buffers and the weights will take is
+computed up front, and a configuration that needs more than
+``mem_fraction_static`` of the memory available on the device now is
+rejected before any of it is allocated.
 """
 
+import itertools
 import numbers
 import os
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from sglang.srt.arg_groups.speculative_hook import _handle_dspark
+from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.managers.tp_worker import DecodeBuffers
 from sglang.srt.mem_cache.memory_pool import (
     KVPool,
@@ -24,13 +27,14 @@ from sglang.srt.mem_cache.memory_pool import (
     available_memory_bytes,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.models.dspark import DSparkDraftModel
 from sglang.srt.models.registry import (
     DEFAULT_MODEL_PATH,
     get_draft_config,
     get_target_preset,
 )
-from sglang.srt.models.tiny_moe import TinyMoEConfig
-from sglang.srt.runtime_context import MOE_A2A_BACKENDS
+from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.srt.runtime_context import MOE_A2A_BACKENDS, get_parallel
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 from sglang.srt.utils.common import is_finite, max_num_threads
@@ -98,6 +102,26 @@ def _checked_device(value) -> str:
                 f"device(s) exist"
             )
     return "cpu" if device.type == "cpu" else str(device)  # one CPU: no index
+
+
+def _weights_bytes(target_config: TinyMoEConfig, draft_config) -> int:
+    """The target's and the draft's parameters and buffers (the shared
+    embedding and LM head once), and each MoE layer's dense layout, at the
+    run dtype (float32). Every expert: under EP a rank holds its share, so
+    this bounds a rank's from above."""
+    with torch.device("meta"), get_parallel().override(moe_ep_size=1, moe_ep_rank=0):
+        target = TinyMoEForCausalLM(target_config)
+        models = [target]
+        if draft_config is not None:
+            models.append(DSparkDraftModel(draft_config, target))
+    tensors = {}
+    for model in models:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            tensors[id(t)] = t.nbytes  # a shared module's tensors once
+        for layer in model.modules():
+            if isinstance(layer, EPMoE):
+                tensors[id(layer)] = layer.dense_layout_nbytes()
+    return sum(tensors.values())
 
 
 @dataclass
@@ -356,12 +380,13 @@ class ServerArgs:
         self.cuda_graph_bs = sorted({int(b) for b in bs})
 
     def static_memory_bytes(self) -> dict:
-        """Bytes the engine's pools and buffers will take: target and draft
-        KV, the request -> token table, and the decode step's buffer arena
-        (for DSpark about 58 x max_running_requests x vocab floats: its
-        per-slot logits, noise and acceptance), built on the meta device."""
+        """Bytes the engine's pools, buffers and weights will take: target
+        and draft KV, the request -> token table, the decode step's buffer
+        arena (for DSpark about 58 x max_running_requests x vocab floats: its
+        per-slot logits, noise and acceptance), and the models' weights with
+        the MoE's dense layouts, all built on the meta device."""
         target_config = self._resolve_model()
-        stash = 0
+        draft_config, stash = None, 0
         meta = ModelRunner(
             forward=None,
             req_to_token_pool=None,
@@ -401,6 +426,7 @@ class ServerArgs:
         if stash:
             sizes["draft_context_stash"] = stash
         sizes["step_buffers"] = arena.nbytes()
+        sizes["weights"] = _weights_bytes(target_config, draft_config)
         return sizes
 
     def _pool_bytes(self) -> dict:

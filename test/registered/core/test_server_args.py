@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from sglang import Engine
+from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.managers.tp_worker import DecodeBuffers
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.runtime_context import get_parallel
@@ -310,6 +311,24 @@ class TestMemorySizing(CustomTestCase):
                     stash = engine.worker.context_stash
                     allocated["draft_context_stash"] = stash.nbytes
                 allocated["step_buffers"] = engine.worker.buffers.nbytes()
+                # The weights, and the MoE's dense layouts (made at the first
+                # forward): every storage the models hold, once.
+                engine.generate(input_ids=[[1, 2]], sampling_params={})
+                worker = engine.worker
+                if algo is None:
+                    models = [worker.model]
+                else:
+                    models = [worker.target_worker.model, worker.draft_model]
+                held = {}
+                for model in models:
+                    tensors = list(model.parameters()) + list(model.buffers())
+                    for layer in model.modules():
+                        if isinstance(layer, EPMoE):
+                            self.assertEqual(len(layer._all_experts), 2)
+                            tensors += layer._all_experts
+                    for t in tensors:
+                        held[t.untyped_storage().data_ptr()] = t.untyped_storage()
+                allocated["weights"] = sum(st.nbytes() for st in held.values())
                 estimate = engine.server_args.static_memory_bytes()
                 self.assertEqual(estimate, allocated)
 

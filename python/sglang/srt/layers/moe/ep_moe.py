@@ -140,6 +140,11 @@ class EPMoE(nn.Module):
             w2.transpose(1, 2).reshape(-1, hidden).contiguous(),
         )
 
+    def dense_layout_nbytes(self) -> int:
+        """The bytes ``_layouts`` copies (the dense path's weights; the
+        grouped ones are views), held beside the weights once made."""
+        return self.w13.nbytes + self.w2.nbytes
+
     def _weights(self, dense: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         """The path's weights: the cached layouts (made without autograd),
         or, when the experts' weights train, made from them this forward so
