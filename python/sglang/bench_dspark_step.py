@@ -72,7 +72,7 @@ from sglang.srt.layers.moe.topk import select_experts
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components import dspark_draft
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
-from sglang.srt.utils.common import interrupted, is_finite, max_num_threads
+from sglang.srt.utils.common import checked_num_threads, interrupted, is_finite
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 
@@ -826,9 +826,11 @@ def main(argv=None) -> int:
         p.error("--concurrency values must be >= 1")
     if args.ep_size < 1:
         p.error("--ep-size must be >= 1")
-    cores = max_num_threads()
-    if args.num_threads is not None and not 1 <= args.num_threads <= cores:
-        p.error(f"--num-threads must be in [1, {cores}] (this machine's cores)")
+    if args.num_threads is not None:
+        try:
+            checked_num_threads("--num-threads", args.num_threads)
+        except ValueError as e:
+            p.error(str(e))
     if args.ep_size > 1 and (args.device or "cpu") != "cpu":
         p.error("--ep-size > 1 runs gloo ranks: CPU only here (--device cpu)")
     if args.ep_size > 1:

@@ -41,7 +41,8 @@ import torch
 from sglang import Engine, bench_plots
 from sglang.bench_stats import median_ratio
 from sglang.srt.layers.sampler import SamplingMode
-from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.managers.schedule_batch import Req, SamplingParams, kv_slots_needed
+from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.dspark_components.dspark_verify import accept
 from sglang.srt.utils.common import interrupted
 
@@ -130,12 +131,15 @@ def probe(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if compiled and temperature > 0 and batch_size > 1:
         raise ValueError(_SAMPLED_COMPILE_LIMIT)
+    gamma = ServerArgs(speculative_algorithm="DSPARK").speculative_dspark_block_size
+    need = kv_slots_needed(
+        prompt_len=_PROMPT_LEN, max_new_tokens=_NEW_TOKENS, lookahead=gamma
+    )
     engine = Engine(
         speculative_algorithm="DSPARK",
         device="cpu",
         max_running_requests=max(8, batch_size),
-        # Each request's prompt, outputs and verify window (Scheduler.kv_need).
-        max_total_tokens=max(4096, (_PROMPT_LEN + _NEW_TOKENS + 32) * batch_size),
+        max_total_tokens=max(4096, need * batch_size),
     )
     worker, rng = engine.worker, random.Random(seed)
     for i in range(batch_size):

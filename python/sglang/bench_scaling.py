@@ -68,7 +68,7 @@ from sglang.bench_dspark_step import scalar_cost_us
 from sglang.bench_stats import mean_ratio
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.layers.moe.ep_moe import DENSE_MAX_ROW_EXPERTS
-from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.managers.schedule_batch import Req, SamplingParams, kv_slots_needed
 from sglang.srt.model_loader.loader import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -812,7 +812,11 @@ def new_tokens(*, steps: int, gamma: int) -> int:
 def kv_need(*, context: int, steps: int, gamma: int) -> int:
     """KV positions a request of ``context`` prompt tokens may touch over
     ``steps`` steps: the scheduler's reservation, verify window included."""
-    return context + new_tokens(steps=steps, gamma=gamma) - 1 + gamma
+    return kv_slots_needed(
+        prompt_len=context,
+        max_new_tokens=new_tokens(steps=steps, gamma=gamma),
+        lookahead=gamma,
+    )
 
 
 class EnginePair:

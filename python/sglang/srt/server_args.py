@@ -20,6 +20,7 @@ import torch
 
 from sglang.srt.arg_groups.speculative_hook import _handle_dspark
 from sglang.srt.layers.moe.ep_moe import EPMoE
+from sglang.srt.managers.schedule_batch import kv_slots_needed
 from sglang.srt.managers.tp_worker import DecodeBuffers
 from sglang.srt.mem_cache.memory_pool import (
     KVPool,
@@ -37,7 +38,7 @@ from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
 from sglang.srt.runtime_context import MOE_A2A_BACKENDS, get_parallel
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
-from sglang.srt.utils.common import is_finite, max_num_threads
+from sglang.srt.utils.common import checked_num_threads, is_finite
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
 KV_CACHE_DTYPE = torch.float32
@@ -157,8 +158,9 @@ class ServerArgs:
     # are tiny and dispatch-bound, so more threads only add sync and
     # oversubscription), torch's default on CUDA (the host only launches).
     num_threads: Optional[int] = None
-    # The KV pools and request table may take at most this fraction of the
-    # memory available on the device when the engine starts.
+    # The KV pools, request table, step buffers and weights may take at most
+    # this fraction of the memory available on the device when the engine
+    # starts (``static_memory_bytes``).
     mem_fraction_static: float = 0.5
     # Seconds any collective (EP all-reduce, rank agreement checks) may wait
     # for a peer before it raises.
@@ -195,12 +197,7 @@ class ServerArgs:
         if self.num_threads is None and not self.device.startswith("cuda"):
             self.num_threads = 1
         if self.num_threads is not None:
-            self.num_threads = _checked_int("num_threads", self.num_threads, lo=1)
-            if self.num_threads > max_num_threads():
-                raise ValueError(
-                    f"num_threads must be at most {max_num_threads()} (this "
-                    f"machine's cores), got {self.num_threads}"
-                )
+            self.num_threads = checked_num_threads("num_threads", self.num_threads)
         vocab = target_config.vocab_size
         if self.eos_token_id is not None:
             self.eos_token_id = _checked_int(
@@ -229,15 +226,16 @@ class ServerArgs:
     def _check_smallest_request_fits(self) -> None:
         """Refuse sizes no request fits: the smallest, one prompt token and
         one new token, spans 2 positions of context; under DSpark it holds
-        1 + gamma KV slots (its token and the verify window past it,
-        ``Scheduler.kv_need``), within the context too."""
-        width = self.speculative_num_draft_tokens if self.speculative_algorithm else 1
+        1 + gamma KV slots (its token and the verify window past it), within
+        the context too."""
+        gamma = self.speculative_dspark_block_size if self.speculative_algorithm else 0
+        slots = kv_slots_needed(prompt_len=1, max_new_tokens=1, lookahead=gamma)
         window = ""
-        if width > 1:
-            window = f" (its token and the verify's gamma={width - 1} slots past it)"
+        if gamma:
+            window = f" (its token and the verify's gamma={gamma} slots past it)"
         for name, need in (
-            ("context_length", max(2, width)),
-            ("max_total_tokens", width),
+            ("context_length", max(2, slots)),
+            ("max_total_tokens", slots),
         ):
             value = getattr(self, name)
             if value < need:
@@ -462,12 +460,14 @@ class ServerArgs:
         total = sum(need.values())
         if total > cap:
             parts = ", ".join(f"{k} {v / _GIB:.3f} GiB" for k, v in need.items())
+            advice = "lower max_total_tokens, max_running_requests or context_length"
+            if need.get("weights", 0) > cap:  # no size of the pools fits
+                advice = "the weights alone exceed it: raise mem_fraction_static"
             raise ValueError(
                 f"the pools need {total / _GIB:.3f} GiB ({parts}) but "
                 f"mem_fraction_static={self.mem_fraction_static} of the "
                 f"{available / _GIB:.3f} GiB available on {self.device} is "
-                f"{cap / _GIB:.3f} GiB: lower max_total_tokens, "
-                f"max_running_requests or context_length"
+                f"{cap / _GIB:.3f} GiB: {advice}"
             )
 
     @property

@@ -59,7 +59,7 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.registry import CHECKPOINT_DIR, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
-from sglang.srt.utils.common import interrupted, max_num_threads
+from sglang.srt.utils.common import checked_num_threads, interrupted
 from sglang.stdlib_corpus import MASK_BYTE, load_stdlib_corpus, sample_prompts
 from sglang.train_tiny_pair.evaluate import evaluate_pair, format_report
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
@@ -124,7 +124,8 @@ TINY = TrainConfig(
 
 def _generator(cfg: TrainConfig, phase: str, step: int) -> torch.Generator:
     tag = PHASES.index(phase)
-    return torch.Generator().manual_seed((cfg.seed * 7 + tag) * 1_000_003 + step)
+    seed = (cfg.seed * 7 + tag) * 1_000_003 + step
+    return torch.Generator().manual_seed(seed % 2**64)  # what manual_seed takes
 
 
 def _lr(step: int, steps: int, peak: float) -> float:
@@ -187,16 +188,21 @@ def _train_loop(
 
 def save_whole(obj, path: str) -> None:
     """``torch.save`` that a kill or an error never leaves half done at
-    ``path`` (a rerun skips a phase whose output exists): written beside it,
-    then renamed."""
-    tmp = path + ".tmp"
+    ``path`` (a rerun skips a phase whose output exists): written to a file
+    of its own beside it (two writers never share one), then renamed."""
+    fd, tmp = tempfile.mkstemp(
+        dir=os.path.dirname(os.path.abspath(path)),
+        prefix=os.path.basename(path) + ".",
+        suffix=".tmp",
+    )
     try:
-        torch.save(obj, tmp)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    os.replace(tmp, path)
 
 
 def _byte_stream(files: List[bytes]) -> torch.Tensor:
@@ -646,10 +652,12 @@ def main(argv=None) -> int:
     if not 0 <= args.seed < 2**63:
         p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.num_threads is not None:
-        cores = max_num_threads()
-        if not 1 <= args.num_threads <= cores:
-            p.error(f"--num-threads must be in [1, {cores}] (this machine's cores)")
-        torch.set_num_threads(args.num_threads)
+        try:
+            torch.set_num_threads(
+                checked_num_threads("--num-threads", args.num_threads)
+            )
+        except ValueError as e:
+            p.error(str(e))
     for flag in ("output_dir", "work_dir"):
         path = getattr(args, flag)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):

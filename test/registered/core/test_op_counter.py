@@ -41,7 +41,11 @@ class TestOpCounter(CustomTestCase):
         with OpCounter() as d:
             torch.add(x, 1, out=empty)
             small.resize_(1 << 16)
-        self.assertEqual((c.allocs, d.allocs), (0, 2))
+        # Pointed at a storage that exists: nothing new.
+        z = torch.empty(0)
+        with OpCounter() as e:
+            z.set_(x.untyped_storage(), 0, (4,), (1,))
+        self.assertEqual((c.allocs, d.allocs, e.allocs), (0, 2, 0))
 
     def test_host_reads(self):
         x = torch.arange(6)
@@ -61,7 +65,17 @@ class TestOpCounter(CustomTestCase):
         x, mask, reps = torch.arange(6.0), torch.arange(6) > 2, torch.tensor([1, 2])
         for name, read, fn in (
             ("x[mask]", 1, lambda: x[mask]),
-            ("x[mask] = 0", 1, lambda: x.clone().__setitem__(mask, 0.0)),
+            ("x[mask] = values", 1, lambda: x.clone().__setitem__(mask, x[:3])),
+            (
+                "x.index_put_((mask,), 1, accumulate=True)",
+                1,
+                lambda: x.clone().index_put_((mask,), torch.tensor(1.0), True),
+            ),
+            (
+                "x[mask] = 0 (a masked_fill)",
+                0,
+                lambda: x.clone().__setitem__(mask, 0.0),
+            ),
             ("allclose", 1, lambda: torch.allclose(x, x)),
             ("repeat_interleave(reps)", 1, lambda: torch.repeat_interleave(reps)),
             ("x.repeat_interleave(reps)", 1, lambda: x[:2].repeat_interleave(reps)),

@@ -17,11 +17,13 @@ from torch.utils._pytree import tree_flatten
 from sglang import Engine
 from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.managers.tp_worker import DecodeBuffers
+from sglang.srt.mem_cache.memory_pool import available_memory_bytes
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_cost_table import VerifyCostTable
+from sglang.srt.utils.common import MAX_NUM_THREADS
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase, cuda_available
 
@@ -62,8 +64,8 @@ class TestServerArgsValidation(CustomTestCase):
             ({"eos_token_id": -1}, "eos_token_id .* got -1"),
             ({"num_threads": 0}, "num_threads .* got 0"),
             (
-                {"num_threads": os.cpu_count() + 1},
-                f"num_threads must be at most {os.cpu_count()} .* got",
+                {"num_threads": MAX_NUM_THREADS + 1},
+                rf"num_threads must be in \[1, {MAX_NUM_THREADS}\], got",
             ),
             (
                 {"disable_cuda_graph": "yes"},
@@ -113,6 +115,9 @@ class TestServerArgsValidation(CustomTestCase):
         )
         self.assertEqual(args.device, "cpu")
         self.assertEqual(ServerArgs(device="cpu:3").device, "cpu")
+        # More threads than cores oversubscribe, but run: accepted.
+        more = (os.cpu_count() or 1) + 1
+        self.assertEqual(ServerArgs(num_threads=more).num_threads, more)
         self.assertEqual((args.random_seed, type(args.random_seed)), (7, int))
         self.assertEqual(type(args.max_running_requests), int)
         self.assertEqual(args.cuda_graph_bs, [1, 2, 4])
@@ -186,8 +191,9 @@ class TestServerArgsValidation(CustomTestCase):
 
     def test_dspark_sizes_fit_the_smallest_request(self):
         # The smallest request holds its token and gamma verify slots past
-        # it: sizes below that are refused, naming the field; at it, the
-        # request runs and gives plain decoding's token.
+        # it: sizes below that are refused, naming the field. At them it
+        # runs: one token (prefill's); one slot more, a second from a decode
+        # step whose full verify window fills the pool. Each is plain's.
         width = ServerArgs(speculative_algorithm="DSPARK").speculative_num_draft_tokens
         for name in ("context_length", "max_total_tokens"):
             kw = dict(context_length=width, max_total_tokens=width)
@@ -200,21 +206,25 @@ class TestServerArgsValidation(CustomTestCase):
                 ),
             ):
                 ServerArgs(speculative_algorithm="DSPARK", max_running_requests=1, **kw)
-        outputs = []
-        for algo, size in ((None, 2), ("DSPARK", width)):
-            engine = Engine(
-                speculative_algorithm=algo,
-                context_length=size,
-                max_total_tokens=size,
-                max_running_requests=1,
-                device="cpu",
-            )
-            out = engine.generate(
-                input_ids=[[3]], sampling_params={"max_new_tokens": 1}
-            )
-            outputs.append(out[0]["output_ids"])
-        self.assertEqual(len(outputs[0]), 1)
-        self.assertEqual(outputs[0], outputs[1])
+        for more in (0, 1):
+            outputs = []
+            for algo, size in ((None, 2 + more), ("DSPARK", width + more)):
+                spec = {"speculative_verify_budget": "off"} if algo else {}
+                engine = Engine(
+                    speculative_algorithm=algo,
+                    context_length=size,
+                    max_total_tokens=size,
+                    max_running_requests=1,
+                    device="cpu",
+                    **spec,
+                )
+                out = engine.generate(
+                    input_ids=[[3]], sampling_params={"max_new_tokens": 1 + more}
+                )
+                outputs.append(out[0]["output_ids"])
+            with self.subTest(more=more):
+                self.assertEqual(len(outputs[0]), 1 + more)
+                self.assertEqual(outputs[0], outputs[1])
 
     def test_cost_table_path(self):
         # Refused before the start-up measurement runs: empty, not a str, a
@@ -407,6 +417,16 @@ class TestMemorySizing(CustomTestCase):
         # the default cap.
         with self.assertRaisesRegex(ValueError, "mem_fraction_static=1e-12"):
             ServerArgs(mem_fraction_static=1e-12)
+        # Pools of a few KiB under a cap of about 2 MB: the weights (5 MB)
+        # alone are past it, which no smaller pool mends.
+        fraction = 2e6 / available_memory_bytes(torch.device("cpu"))
+        with self.assertRaisesRegex(ValueError, "weights alone exceed it"):
+            ServerArgs(
+                mem_fraction_static=fraction,
+                max_total_tokens=8,
+                max_running_requests=1,
+                context_length=8,
+            )
         ServerArgs()
 
 

@@ -10,7 +10,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import unittest
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -19,13 +21,17 @@ from sglang import Engine
 from sglang.srt.model_loader.loader import WEIGHTS_NAME
 from sglang.srt.models.registry import init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.srt.utils.common import MAX_NUM_THREADS
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
 from sglang.train_tiny_pair.train import (
     DRAFT_NAME,
+    PHASES,
     TARGET_NAME,
+    TINY,
     TrainConfig,
+    _generator,
     block_distill_loss,
     main,
     new_draft,
@@ -290,6 +296,37 @@ class TestTrainTinyPair(CustomTestCase):
         self.assertEqual(draft.markov_w1.weight.shape, (256, 8))
         self.assertEqual(draft.markov_w2.weight.shape, (256, 8))
 
+    def test_saves_from_two_writers_both_land(self):
+        # Runs of one seed and size share the default work dir: writers of
+        # one path each write a file of their own, then rename it.
+        path, errors = os.path.join(self.root, "distill.pt"), []
+
+        def save(i):
+            try:
+                for _ in range(5):
+                    save_whole({"seqs": torch.full((1 << 14,), i)}, path)
+            except Exception as e:  # noqa: BLE001 - collected, asserted empty
+                errors.append(e)
+
+        threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(os.listdir(self.root), ["distill.pt"])
+        seqs = torch.load(path)["seqs"]
+        self.assertEqual(len(set(seqs.tolist())), 1)  # one writer's, whole
+
+    def test_seeds_past_the_generators_range_wrap(self):
+        # The phases' generators are seeded from the seed: near 2**63 the
+        # product passes torch's 2**64, which must wrap, not overflow.
+        for seed in (0, 2**62, 2**63 - 1):
+            with self.subTest(seed=seed):
+                gen = _generator(replace(TINY, seed=seed), "draft", 3)
+                expected = ((seed * 7 + PHASES.index("draft")) * 1_000_003 + 3) % 2**64
+                self.assertEqual(gen.initial_seed(), expected)
+
     def test_a_save_that_fails_leaves_nothing_at_its_path(self):
         # A rerun skips a phase whose output exists, so a save cut short
         # must leave none (nor its temporary); one that ends leaves it whole.
@@ -301,8 +338,7 @@ class TestTrainTinyPair(CustomTestCase):
 
         with self.assertRaises(KeyboardInterrupt):
             save_whole({"seqs": torch.zeros(1 << 16), "later": Unpicklable()}, path)
-        self.assertFalse(os.path.exists(path))
-        self.assertFalse(os.path.exists(path + ".tmp"))
+        self.assertEqual(os.listdir(self.root), [])  # nor its temporary
         save_whole({"seqs": torch.arange(5)}, path)
         self.assertTrue(torch.equal(torch.load(path)["seqs"], torch.arange(5)))
 
@@ -314,7 +350,7 @@ class TestTrainTinyPair(CustomTestCase):
             ("--draft-steps", "0"),
             ("--markov-rank", "0"),
             ("--num-threads", "0"),
-            ("--num-threads", str(os.cpu_count() + 1)),  # torch's pool crashes
+            ("--num-threads", str(MAX_NUM_THREADS + 1)),  # far past: a crash
             ("--seed", str(2**63)),  # past the generator's seed
             ("--seed", "-1"),
             ("--output-dir", a_file),  # refused before any training

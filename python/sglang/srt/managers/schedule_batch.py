@@ -199,6 +199,13 @@ def as_token_ids(ids, *, vocab_size: int) -> List[int]:
     return out
 
 
+def kv_slots_needed(*, prompt_len: int, max_new_tokens: int, lookahead: int) -> int:
+    """KV slots a request may touch: its prompt, its outputs but the last
+    (never written), and ``lookahead`` positions past them (DSpark's verify
+    window, gamma; 0 for plain decoding)."""
+    return prompt_len + max_new_tokens - 1 + lookahead
+
+
 @dataclass
 class Req:
     rid: int

@@ -43,6 +43,7 @@ from sglang.srt.managers.schedule_batch import (
     ScheduleBatch,
     StepOutput,
     as_token_ids,
+    kv_slots_needed,
 )
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenSlotAllocator
 
@@ -127,11 +128,10 @@ class Scheduler:
     def kv_need(self, req: Req) -> int:
         """Slots a request may touch: prompt, outputs but the last (it never
         enters the KV), and the verify window past them."""
-        return (
-            len(req.origin_input_ids)
-            + req.sampling_params.max_new_tokens
-            - 1
-            + self.lookahead
+        return kv_slots_needed(
+            prompt_len=len(req.origin_input_ids),
+            max_new_tokens=req.sampling_params.max_new_tokens,
+            lookahead=self.lookahead,
         )
 
     def add_request(self, req: Req) -> None:
@@ -161,7 +161,9 @@ class Scheduler:
                 f"request {req.rid}: prompt of {len(ids)} tokens + max_new_tokens "
                 f"{max_new} = {len(ids) + max_new} exceeds context_length {context}"
             )
-        need = len(ids) + max_new - 1 + self.lookahead
+        need = kv_slots_needed(
+            prompt_len=len(ids), max_new_tokens=max_new, lookahead=self.lookahead
+        )
         capacity = min(context, self.allocator.num_slots)
         if need > capacity:
             raise ValueError(

@@ -2,7 +2,7 @@
 command line tools' exit on Ctrl-C."""
 
 import math
-import os
+import numbers
 import sys
 
 # A shell's exit code for a process ended by Ctrl-C: 128 + SIGINT.
@@ -26,7 +26,16 @@ def is_finite(value) -> bool:
         return False
 
 
-def max_num_threads() -> int:
-    """The most intra-op threads a run may ask torch for: this machine's
-    cores (far past them, torch's thread pool crashes the process)."""
-    return os.cpu_count() or 1
+# The most intra-op threads a run may ask torch for: far past it (100000)
+# torch's thread pool crashes the process; thousands still run.
+MAX_NUM_THREADS = 1024
+
+
+def checked_num_threads(name: str, value) -> int:
+    """``value`` as torch's intra-op thread count, or ValueError naming
+    ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not 1 <= value <= MAX_NUM_THREADS:
+        raise ValueError(f"{name} must be in [1, {MAX_NUM_THREADS}], got {value}")
+    return int(value)

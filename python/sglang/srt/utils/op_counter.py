@@ -13,8 +13,9 @@ compare variants without timing noise.
 - ``host_reads``: ops that make the host wait for device data: ``.item()``
   and ``int()`` / ``bool()`` of a tensor (``_local_scalar_dense``),
   ``nonzero``, ``equal``, ``allclose``, ``masked_select``, ``unique``,
-  indexing by a bool mask (``x[m]``, ``x[m] = v``: a ``nonzero`` inside the
-  kernel), ``repeat_interleave`` without ``output_size``, and copies from a
+  indexing by a bool mask (``x[m]``, and ``x[m] = v`` unless ``v`` is one
+  value on the CPU: a ``nonzero`` inside the kernel), ``repeat_interleave``
+  without ``output_size``, and copies from a
   device to host memory; and ``.tolist()``, ``.numpy()`` and
   ``numpy.asarray()`` of a CPU tensor, which read its memory without
   dispatching an op (a device tensor's copy to the host is the op counted):
@@ -48,13 +49,17 @@ _HOST_READS = {
 }
 
 # Index ops whose bool (or uint8) mask indices become positions in the
-# kernel, a data-dependent size.
-_MASK_INDEXING = {
-    _aten.index.Tensor,
+# kernel, a data-dependent size: reading, and writing (but see below).
+_MASK_INDEXING = {_aten.index.Tensor}
+_MASK_INDEX_PUT = {
     _aten.index_put.default,
     _aten.index_put_.default,
     _aten._index_put_impl_.default,
 }
+
+
+def _is_mask(index) -> bool:
+    return index is not None and index.dtype in (torch.bool, torch.uint8)
 
 
 def _waits_for_data(func, args, kwargs) -> bool:
@@ -62,8 +67,21 @@ def _waits_for_data(func, args, kwargs) -> bool:
     if func in _HOST_READS:
         return True
     if func in _MASK_INDEXING:
-        return any(
-            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        return any(_is_mask(i) for i in args[1])
+    if func in _MASK_INDEX_PUT:  # (self, indices, values, accumulate=False)
+        self, indices, values = args[:3]
+        if not any(_is_mask(i) for i in indices):
+            return False
+        given = [i for i in indices if i is not None]
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        # ATen writes one CPU value under one mask as a masked_fill (x[m] = 0):
+        # no positions, no read.
+        return not (
+            not accumulate
+            and values.numel() == 1
+            and values.device.type == "cpu"
+            and len(given) == 1
+            and given[0].device == self.device
         )
     if func is _aten.repeat_interleave.Tensor:  # (repeats, *, output_size)
         return kwargs.get("output_size") is None
@@ -125,12 +143,17 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [
-            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        ]
-        # The inputs' storages before the op: one it reallocates (an out=
-        # resized, a resize_) is new.
+        flat = tree_flatten((args, kwargs))[0]
+        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+        # The inputs' storages before the op (a storage passed as one, too,
+        # as set_ takes it): one it reallocates (an out= resized, a resize_)
+        # is new.
         seen = {_storage(t) for t in inputs if t.device.type != "meta"}
+        seen |= {
+            (str(s.device), s.data_ptr())
+            for s in flat
+            if isinstance(s, torch.UntypedStorage) and s.device.type != "meta"
+        }
         out = func(*args, **kwargs)
         self.ops += 1
         self.by_op[func.name()] += 1
