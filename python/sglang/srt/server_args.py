@@ -228,7 +228,7 @@ class ServerArgs:
         one new token, spans 2 positions of context; under DSpark it holds
         1 + gamma KV slots (its token and the verify window past it), within
         the context too."""
-        gamma = self.speculative_dspark_block_size if self.speculative_algorithm else 0
+        gamma = self.speculative_dspark_block_size or 0
         slots = kv_slots_needed(prompt_len=1, max_new_tokens=1, lookahead=gamma)
         window = ""
         if gamma:
@@ -471,8 +471,11 @@ class ServerArgs:
             )
 
     @property
-    def speculative_dspark_block_size(self) -> int:
-        """gamma: the draft block, one less than the verify width."""
+    def speculative_dspark_block_size(self) -> Optional[int]:
+        """gamma: the draft block, one less than the verify width; None
+        without speculation."""
+        if self.speculative_num_draft_tokens is None:
+            return None
         return self.speculative_num_draft_tokens - 1
 
     @property

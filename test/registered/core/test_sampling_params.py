@@ -155,6 +155,24 @@ class TestValidation(CustomTestCase):
                 self.assertNotIn("output_token_logprobs", out[1]["meta_info"])
                 engine.scheduler.check_pool_accounting()
 
+    def test_a_top_k_past_float32_keeps_every_token(self):
+        # 10**400 overflowed the float32 parameter row mid-step (under DP
+        # attention that put the ranks' collectives out of step for good).
+        seeded = dict(temperature=1.0, sampling_seed=7, max_new_tokens=8)
+        for algo in (None, "DSPARK"):
+            with self.subTest(algorithm=algo):
+                engine = Engine(speculative_algorithm=algo, device="cpu")
+                out = [
+                    engine.generate(
+                        input_ids=_prompts(2),
+                        sampling_params=[{"max_new_tokens": 4}, dict(seeded, top_k=k)],
+                    )[1]["output_ids"]
+                    for k in (10**400, 2**31, -1)
+                ]
+                self.assertEqual(out[0], out[2])
+                self.assertEqual(out[1], out[2])
+                engine.scheduler.check_pool_accounting()
+
     def test_stop_ids_outside_the_vocabulary(self):
         engine = Engine(device="cpu")
         with self.assertRaisesRegex(ValueError, "input 0: .*stop_token_ids \\[999\\]"):

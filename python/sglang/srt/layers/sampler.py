@@ -27,6 +27,8 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 _TINY = torch.finfo(torch.float32).tiny
+# Upstream's top_k for every token: exact in float32, past any vocabulary.
+TOP_K_ALL = 1 << 30
 
 
 class SamplingMode(enum.Enum):
@@ -116,7 +118,9 @@ class SamplingBatchInfo:
             sp = r.sampling_params
             params.append(
                 [
-                    max(sp.top_k, 0),
+                    # Any top_k past the vocabulary keeps every token; capped
+                    # so that float32 holds it (10**400 does not fit).
+                    min(max(sp.top_k, 0), TOP_K_ALL),
                     sp.top_p,
                     sp.min_p,
                     sp.repetition_penalty,

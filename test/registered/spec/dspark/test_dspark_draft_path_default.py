@@ -112,6 +112,7 @@ class TestEmbeddedPair(CustomTestCase):
         self.assertEqual(block, 5)
         self.assertEqual(args.speculative_num_draft_tokens, block + 1)
         self.assertEqual(args.speculative_dspark_block_size, block)
+        self.assertIsNone(ServerArgs().speculative_dspark_block_size)  # plain
 
     def test_engine_uses_the_bundled_pair(self):
         engine = Engine(speculative_algorithm="DSPARK", device="cpu")
