@@ -23,7 +23,8 @@ is given. A file whose every test skipped itself (unittest's "OK
 SKIPPED, not PASSED. A summary follows the per-file lines; the last line is
 "N passed, N failed" (the skipped files are counted on the line before it,
 in neither). Exit status: 0 all passed, 1 a file failed or was not
-run, 2 a usage error, an unknown suite or a malformed registration;
+run, 2 a usage error, an unknown suite or a malformed registration, 130 a
+Ctrl-C (the summary still printed, the file it stopped counted failed);
 ``--check``: 0 every registration is well formed, 1 not.
 """
 
@@ -37,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from sglang.srt.utils.common import EXIT_INTERRUPTED
 from sglang.test.ci.ci_register import (
     CIRegistration,
     RegistrationError,
@@ -44,6 +46,7 @@ from sglang.test.ci.ci_register import (
     collect_tests,
     find_test_files,
     has_main_entry,
+    timeout_seconds,
 )
 
 REGISTERED = Path("registered")  # relative: main() runs from the test/ directory
@@ -120,8 +123,16 @@ def run_suite(
     if any(reg.backend == "cuda" for reg in selected) and not gpu_available():
         print("note: no GPU on this machine; CUDA tests skip themselves", flush=True)
     results: list[tuple[str, str, float]] = []  # (status, file, seconds)
+    interrupted = False
     for i, reg in enumerate(selected, 1):
-        ok, seconds, output = run_file(reg.filename, timeout)
+        start = time.monotonic()
+        try:
+            ok, seconds, output = run_file(reg.filename, timeout)
+        except KeyboardInterrupt:  # the file's process got the Ctrl-C too
+            results.append(("FAILED", reg.filename, time.monotonic() - start))
+            print(f"[{i}/{len(selected)}] INTERRUPTED {reg.filename}", flush=True)
+            interrupted = True
+            break
         ran, skips = skip_counts(output) if ok else (0, 0)
         # A class or module that skips adds a skip but no test run.
         status = "FAILED" if not ok else "SKIPPED" if skips >= max(ran, 1) else "PASSED"
@@ -144,13 +155,17 @@ def run_suite(
     for filename in not_run:
         print(f"  {'NOT RUN':<8} {filename}")
     if not_run:
-        print(
-            f"{len(not_run)} not run: stopped at the first failure "
-            "(--continue-on-error runs every file)"
+        why = (
+            "interrupted (Ctrl-C)"
+            if interrupted
+            else "stopped at the first failure (--continue-on-error runs every file)"
         )
+        print(f"{len(not_run)} not run: {why}")
     if skipped:
         print(f"{skipped} skipped: every test in the file skipped itself")
     print(f"{passed} passed, {failed} failed", flush=True)
+    if interrupted:
+        return EXIT_INTERRUPTED
     return 0 if failed == 0 else 1
 
 
@@ -219,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the test/ directory (default: the one holding this script)",
     )
     parser.add_argument(
-        "--timeout-per-file", type=float, default=900.0, help="seconds (default 900)"
+        "--timeout-per-file",
+        type=timeout_seconds,
+        default=900.0,
+        help="seconds (default 900)",
     )
     args = parser.parse_args(argv)
     if not args.check:
@@ -229,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"the following arguments are required: {', '.join(missing)} "
                 "(unless --check)"
             )
+    if args.check and (args.hw or args.suite or args.list or args.nightly):
+        parser.error(
+            "--check validates every file: it takes no --hw, --suite, "
+            "--list or --nightly"
+        )
+    if not args.root.is_dir():
+        parser.error(f"--root {args.root}: not a directory")
     os.chdir(args.root)  # commands and messages use paths like registered/x.py
     if args.check:
         return check()
@@ -246,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     selected = suite_files(regs, args.hw, args.suite, nightly=args.nightly)
+    if not selected:  # every file of the suite nightly (without --nightly) or disabled
+        print(
+            f"note: suite {args.suite!r} has no file to run here: its files are "
+            "disabled or nightly (--nightly runs those)",
+            flush=True,
+        )
     if args.list:
         return list_suite(selected)
     return run_suite(

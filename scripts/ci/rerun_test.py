@@ -32,6 +32,7 @@ from sglang.test.ci.ci_register import (
     RegistrationError,
     collect_registrations,
     runner_label,
+    timeout_seconds,
 )
 
 COMMAND = "/rerun-test"
@@ -251,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("comment", nargs="*", help="the comment; stdin if absent")
     parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repo root")
     parser.add_argument("--run", action="store_true", help="run what this machine can")
-    parser.add_argument("--timeout-per-file", type=float, default=900.0)
+    parser.add_argument(
+        "--timeout-per-file", type=timeout_seconds, default=900.0, help="seconds"
+    )
     args = parser.parse_args(argv)
+    if not args.root.is_dir():
+        parser.error(f"--root {args.root}: not a directory")
     text = " ".join(args.comment) if args.comment else sys.stdin.read()
     try:
         names = parse_comment(text)

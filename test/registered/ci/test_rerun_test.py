@@ -208,6 +208,18 @@ class TestRerunTest(CustomTestCase):
         self.assertEqual(proc.returncode, 2)
         self.assertIn("comment must start with /rerun-test", proc.stderr)
 
+    def test_cli_bad_arguments_are_usage_errors(self) -> None:
+        for args in (
+            ["--run", "--timeout-per-file", "nan"],  # a traceback before
+            ["--run", "--timeout-per-file", "-1"],
+            ["--root", str(self.root / "nonexistent")],  # the last --root
+        ):
+            with self.subTest(args=args):
+                proc = self.cli("/rerun-test", "test_dp.py", *args)
+                self.assertEqual(proc.returncode, 2, proc.stdout + proc.stderr)
+                self.assertIn("usage: rerun_test.py", proc.stderr)
+                self.assertNotIn("Traceback", proc.stderr)
+
     def test_cli_run_reports_like_the_bot(self) -> None:
         proc = self.cli("/rerun-test", "test_dp.py", "test_fail.py", "--run")
         self.assertEqual(proc.returncode, 1)

@@ -276,6 +276,49 @@ class TestRunSuite(CustomTestCase):
         self.assertIn("timed out after 0.5s", proc.stdout)
         self.assertEqual(proc.stdout.splitlines()[-1], "0 passed, 1 failed")
 
+    def test_bad_arguments_are_usage_errors(self) -> None:
+        for args in (
+            ["--timeout-per-file", "nan"],  # a traceback from selectors before
+            ["--timeout-per-file", "inf"],
+            ["--timeout-per-file", "-1"],  # every file "timed out" before
+            ["--timeout-per-file", "0"],
+            ["--root", str(self.test_dir / "nonexistent")],  # the last --root
+        ):
+            with self.subTest(args=args):
+                proc = self.run_suite("--hw", "cpu", "--suite", "fake-b", *args)
+                self.assertEqual(proc.returncode, 2, proc.stdout + proc.stderr)
+                self.assertIn("usage: run_suite.py", proc.stderr)
+                self.assertNotIn("Traceback", proc.stderr)
+        proc = self.run_suite("--check", "--hw", "cpu", "--suite", "nope")
+        self.assertEqual(proc.returncode, 2)  # it validated everything before
+        self.assertIn("--check validates every file", proc.stderr)
+
+    def test_a_suite_with_nothing_to_run_says_why(self) -> None:
+        self.write("test_n.py", fake_test("register_cpu_ci(1, 'late', nightly=True)"))
+        proc = self.run_suite("--hw", "cpu", "--suite", "late")
+        self.assertEqual(proc.returncode, 0)
+        self.assertIn("note: suite 'late' has no file to run here", proc.stdout)
+        self.assertEqual(proc.stdout.splitlines()[-1], "0 passed, 0 failed")
+
+    def test_ctrl_c_prints_the_summary(self) -> None:
+        # The file interrupts the runner as a Ctrl-C in the terminal would.
+        body = "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); "
+        self.write(
+            "test_a_stop.py",
+            fake_test("register_cpu_ci(1, 'stop')", body + "time.sleep(30)"),
+        )
+        self.write(
+            "test_b_next.py", fake_test("register_cpu_ci(1, 'stop')", touch("b"))
+        )
+        proc = self.run_suite("--hw", "cpu", "--suite", "stop")
+        self.assertEqual(proc.returncode, 130, proc.stdout + proc.stderr)
+        self.assertNotIn("Traceback", proc.stderr)
+        self.assertIn("[1/2] INTERRUPTED registered/test_a_stop.py", proc.stdout)
+        self.assertIn("NOT RUN  registered/test_b_next.py", proc.stdout)
+        self.assertIn("1 not run: interrupted (Ctrl-C)", proc.stdout)
+        self.assertEqual(proc.stdout.splitlines()[-1], "0 passed, 1 failed")
+        self.assertFalse(self.ran("b"))
+
     def test_check_needs_no_hw_and_passes_on_a_good_tree(self) -> None:
         proc = self.run_suite("--check")
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)

@@ -14,7 +14,9 @@ listing a suite never imports a test (or torch).
 
 from __future__ import annotations
 
+import argparse
 import ast
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn, Optional, Union
@@ -235,3 +237,15 @@ def runner_label(reg: CIRegistration) -> str:
         return CPU_RUNNER
     key = reg.runner_config if reg.runner_config is not None else reg.suite
     return RUNNER_LABELS.get(key or "", DEFAULT_CUDA_RUNNER)
+
+
+def timeout_seconds(text: str) -> float:
+    """An argparse type for the CI scripts' ``--timeout-per-file``: seconds,
+    finite and > 0 (else argparse's usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be finite seconds > 0, got {text!r}")
+    return value
