@@ -72,7 +72,13 @@ from sglang.srt.layers.moe.topk import select_experts
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.speculative.dspark_components import dspark_draft
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
-from sglang.srt.utils.common import checked_num_threads, interrupted, is_finite
+from sglang.srt.utils.common import (
+    check_dir,
+    check_seed,
+    checked_num_threads,
+    interrupted,
+    is_finite,
+)
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 
@@ -584,13 +590,22 @@ def run(args: argparse.Namespace) -> Dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
+        spawned = mp.spawn(
+            _rank_main,
+            args=(args.ep_size, get_open_port(), args, out_dir),
+            nprocs=args.ep_size,
+            join=False,
+        )
         try:
-            mp.spawn(
-                _rank_main,
-                args=(args.ep_size, get_open_port(), args, out_dir),
-                nprocs=args.ep_size,
-                join=True,
-            )
+            while not spawned.join():
+                pass
+        except KeyboardInterrupt:  # sent to this process alone, too: theirs end
+            for proc in spawned.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in spawned.processes:
+                proc.join()
+            raise
         except Exception:  # a rank raised: its own message, when it left one
             for r in range(args.ep_size):
                 path = os.path.join(out_dir, f"rank{r}.error")
@@ -802,8 +817,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--moe-a2a-backend",
         choices=("none", "all_to_all"),
-        default="all_to_all",
-        help="the DP dispatch measured (none: gather and all-reduce)",
+        default=None,
+        help="with --enable-dp-attention: the DP dispatch measured (none: "
+        "gather and all-reduce; default all_to_all)",
     )
     p.add_argument("--model-path", default=None, help="default: embedded tiny-moe")
     p.add_argument("--seed", type=int, default=0)
@@ -817,6 +833,7 @@ def main(argv=None) -> int:
         "the dispatch's bytes; needs the [plot] extra)",
     )
     args = p.parse_args(argv)
+    check_seed(p, "--seed", args.seed)
     for name in ("input_len", "steps_per_capture", "repeats", "count_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -837,12 +854,18 @@ def main(argv=None) -> int:
         args.device = "cpu"
     if args.enable_dp_attention and args.ep_size < 2:
         p.error("--enable-dp-attention needs --ep-size 2 or more")
+    if not args.enable_dp_attention and args.moe_a2a_backend is not None:
+        p.error("--moe-a2a-backend needs --enable-dp-attention")
+    if args.enable_dp_attention and args.profile is not None:
+        p.error("--profile traces the timed steps: --enable-dp-attention times none")
+    if args.enable_dp_attention and args.moe_a2a_backend is None:
+        args.moe_a2a_backend = "all_to_all"
     if not (is_finite(args.ep_timeout) and args.ep_timeout > 0):
         p.error("--ep-timeout must be finite and > 0 seconds")
     if args.profile_steps < 1:
         p.error("--profile-steps must be >= 1")
     bench_plots.check_json_path(p, args.json)
-    bench_plots.check_dir(p, "--profile", args.profile)
+    check_dir(p, "--profile", args.profile)
     bench_plots.prepare_plot_dir(p, args.plot_dir)
     try:
         result = run(args)

@@ -78,7 +78,7 @@ from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
-from sglang.srt.utils.common import interrupted
+from sglang.srt.utils.common import check_seed, interrupted
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 from sglang.stdlib_corpus import load_stdlib_corpus, sample_prompts
@@ -306,6 +306,10 @@ def run(
     printing = plain.dp_rank == 0
     heldout = load_stdlib_corpus().read("heldout") if args.prompts == "stdlib" else None
     rows = []
+    for engine in engines.values():  # before building prompts of that length
+        engine.scheduler.check_lengths(
+            prompt_len=args.input_len, max_new_tokens=args.output_len
+        )
     for temperature, bs in itertools.product(args.temperature, args.batch_size):
         params = {
             "max_new_tokens": args.output_len,
@@ -647,6 +651,7 @@ def main(argv=None) -> int:
         "--phases the phases as stacked bars (needs the [plot] extra)",
     )
     args = p.parse_args(argv)
+    check_seed(p, "--seed", args.seed)
     if args.enable_dp_attention:
         if args.dp_size is None:
             args.dp_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -694,7 +699,9 @@ def main(argv=None) -> int:
     bench_plots.prepare_plot_dir(p, args.plot_dir)
 
     partial = f"{args.json}.partial"
-    wrote = []  # whether this run wrote F.partial (a file there may be older)
+    # Where this run's rows are: F.partial once written (a file there may be
+    # older), F once the run is whole.
+    saved: List[str] = []
 
     def write_json(rows: List[Dict]) -> None:  # after each row: none is lost
         if args.json:  # (the printing rank's rows: rank 0's under DP)
@@ -703,31 +710,37 @@ def main(argv=None) -> int:
             with open(partial + ".tmp", "w") as f:
                 json.dump(rows, f, indent=2)
             os.replace(partial + ".tmp", partial)
-            wrote.append(True)
+            saved[:] = [partial]
 
     try:
-        return _run_and_report(args, write_json, partial)
+        return _run_and_report(args, write_json, saved)
     except ValueError as e:  # e.g. a model path or a length the engine refuses
         print(f"bench_one_batch: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        kept = bool(wrote)  # an earlier run's F.partial holds none of these
-        return interrupted(
-            "bench_one_batch", f"the rows done so far are in {partial}" if kept else ""
-        )
+        hint = ""  # an earlier run's F.partial holds none of these
+        if saved == [partial]:
+            hint = f"the rows done so far are in {partial}"
+        elif saved:  # stopped while plotting
+            hint = f"every row is in {args.json}; the plots are not all drawn"
+        return interrupted("bench_one_batch", hint)
     finally:
         if dist.is_initialized():  # a live gloo group aborts the exit
             dist.destroy_process_group()
 
 
 def _run_and_report(
-    args: argparse.Namespace, write_json: Callable[[List[Dict]], None], partial: str
+    args: argparse.Namespace,
+    write_json: Callable[[List[Dict]], None],
+    saved: List[str],
 ) -> int:
-    """The rows, then the JSON's final name, the plots and the exit code."""
+    """The rows, then the JSON's final name (``saved`` names where the rows
+    are: F.partial, then F), the plots and the exit code."""
     rows = run(args, on_row=write_json)
     if not dist.is_initialized() or dist.get_rank() == 0:
         if args.json:  # the run is whole: its name
-            os.replace(partial, args.json)
+            os.replace(saved[0], args.json)
+            saved[:] = [args.json]
             print(f"wrote {args.json}")
         if args.plot_dir is not None:
             paths = [bench_plots.speedup_plot(rows, args.plot_dir)]

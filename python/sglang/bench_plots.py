@@ -11,6 +11,8 @@ import os
 import tempfile
 from typing import Dict, List
 
+from sglang.srt.utils.common import check_dir
+
 
 def require_matplotlib() -> None:
     """ImportError with the install command when matplotlib is missing."""
@@ -44,19 +46,6 @@ def check_json_path(parser, path) -> None:
             pass
     except OSError as e:
         parser.error(f"--json {path}: cannot write in {folder} ({e.strerror})")
-
-
-def check_dir(parser, flag: str, path) -> None:
-    """An output folder of a bench (``--plot-dir``, ``--profile``), made
-    before its run; a path naming a file is the parser's error."""
-    if path is None:
-        return
-    if os.path.exists(path) and not os.path.isdir(path):
-        parser.error(f"{flag} {path} is a file; give a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        parser.error(f"{flag} {path}: cannot make it ({e.strerror})")
 
 
 def prepare_plot_dir(parser, path) -> None:

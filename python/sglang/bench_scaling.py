@@ -50,6 +50,7 @@ import contextlib
 import gc
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -69,6 +70,7 @@ from sglang.bench_stats import mean_ratio
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.layers.moe.ep_moe import DENSE_MAX_ROW_EXPERTS
 from sglang.srt.managers.schedule_batch import Req, SamplingParams, kv_slots_needed
+from sglang.srt.managers.scheduler import DRAFT_HEALTH_LOGGER
 from sglang.srt.model_loader.loader import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -82,7 +84,7 @@ from sglang.srt.models.dspark import (
 )
 from sglang.srt.models.registry import DEFAULT_MODEL_PATH, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
-from sglang.srt.utils.common import interrupted, is_finite
+from sglang.srt.utils.common import check_seed, interrupted, is_finite
 from sglang.srt.utils.op_counter import OpCounter
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_configs")
@@ -1260,6 +1262,20 @@ def _measure_config(
     return points
 
 
+@contextlib.contextmanager
+def _random_drafts_expected() -> Iterator[None]:
+    """The engines' draft-health warning off: the stand-ins' and the
+    configs' drafts are random weights, never accepted by design (the
+    embedded pair's trained draft is accepted; it would not warn)."""
+    health = logging.getLogger(DRAFT_HEALTH_LOGGER)
+    level = health.level
+    health.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        health.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> Dict:
     specs = [load_spec(DEFAULT_MODEL_PATH)] + [load_spec(p) for p in args.config]
     measure = args.bandwidth_gbs is None
@@ -1271,6 +1287,7 @@ def run(args: argparse.Namespace) -> Dict:
     with (
         tqdm(total=work, desc="bench_scaling", unit="task", file=sys.stderr) as bar,
         tempfile.TemporaryDirectory(prefix="bench_scaling_") as workdir,
+        _random_drafts_expected(),
     ):
         bar.set_postfix_str("machine")
         machine, extra = _given_or_measured_machine(args, plans[0].spec, workdir)
@@ -1551,6 +1568,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--plot-dir", default=None, help="write a PNG per config here")
     args = p.parse_args(argv)
+    check_seed(p, "--seed", args.seed)
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:

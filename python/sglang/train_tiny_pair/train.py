@@ -59,7 +59,12 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.registry import CHECKPOINT_DIR, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
-from sglang.srt.utils.common import checked_num_threads, interrupted
+from sglang.srt.utils.common import (
+    check_dir,
+    check_seed,
+    checked_num_threads,
+    interrupted,
+)
 from sglang.stdlib_corpus import MASK_BYTE, load_stdlib_corpus, sample_prompts
 from sglang.train_tiny_pair.evaluate import evaluate_pair, format_report
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
@@ -649,8 +654,7 @@ def main(argv=None) -> int:
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
             cfg = replace(cfg, **{name: getattr(args, name)})
-    if not 0 <= args.seed < 2**63:
-        p.error(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_seed(p, "--seed", args.seed)
     if args.num_threads is not None:
         try:
             torch.set_num_threads(
@@ -658,15 +662,15 @@ def main(argv=None) -> int:
             )
         except ValueError as e:
             p.error(str(e))
-    for flag in ("output_dir", "work_dir"):
-        path = getattr(args, flag)
-        if path is not None and os.path.exists(path) and not os.path.isdir(path):
-            p.error(f"--{flag.replace('_', '-')} {path} exists and is not a directory")
     work = args.work_dir or os.path.join(
         tempfile.gettempdir(),
         f"sglang_train_tiny_pair_s{cfg.seed}_t{cfg.target_steps}_d{cfg.draft_steps}"
         f"_m{cfg.markov_rank}",
     )
+    # Made now: a folder that cannot be made fails before the training.
+    check_dir(p, "--work-dir", work)
+    if "export" in args.phases:
+        check_dir(p, "--output-dir", args.output_dir)
     if args.restart and os.path.isdir(work):
         shutil.rmtree(work)
     print(f"work dir: {work}; output dir: {args.output_dir}", flush=True)

@@ -167,6 +167,10 @@ class TestBenchDSparkStep(CustomTestCase):
             ["--ep-timeout", "-1"],
             ["--profile-steps", "0"],
             ["--num-threads", str(MAX_NUM_THREADS + 1)],  # far past: a crash
+            ["--seed", str(2**63)],
+            ["--moe-a2a-backend", "none"],  # read under DP attention only
+            # DP attention times no step: nothing to trace.
+            ["--ep-size", "2", "--enable-dp-attention", "--profile", "/tmp"],
         ):
             with self.subTest(argv=bad):
                 with mock.patch.object(bench_dspark_step, "run") as run:

@@ -392,6 +392,7 @@ class TestBenchOneBatch(CustomTestCase):
             ["--json", ""],
             ["--json", "/proc/bench.json"],  # a folder that takes no new file
             ["--plot-dir", __file__],  # a file, not a folder
+            ["--seed", "-1"],
         ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):
@@ -405,6 +406,19 @@ class TestBenchOneBatch(CustomTestCase):
             rc = bench_one_batch.main(["--model-path", "no-such-model"])
         self.assertEqual(rc, 2)
         self.assertIn("bench_one_batch: error: unknown model path", err.getvalue())
+        # A prompt past the context, refused before the prompts are built:
+        # 10**9 random ids took minutes to build before.
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            with mock.patch.object(bench_one_batch, "make_prompts") as make:
+                rc = bench_one_batch.main(
+                    ["--prompts", "random", "--input-len", str(10**9)]
+                )
+        self.assertEqual(rc, 2)
+        self.assertRegex(
+            err.getvalue(), "error: prompt of 1000000000 tokens .* exceeds"
+        )
+        make.assert_not_called()
 
     def test_the_json_keeps_the_rows_before_a_failing_one(self):
         # The JSON is written after every row, to F.partial: a failure later

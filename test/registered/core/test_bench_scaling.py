@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -13,6 +14,7 @@ import torch
 
 from sglang import bench_plots
 from sglang import bench_scaling as bs
+from sglang.srt.managers.scheduler import DRAFT_HEALTH_LOGGER
 from sglang.srt.models.registry import DEFAULT_MODEL_PATH
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -188,6 +190,8 @@ class TestConfigs(CustomTestCase):
                     "finite and > 0",
                 ),
                 (["--max-measure-mb", "nan"], "--max-measure-mb"),
+                # Past 2**64 an overflow from torch, after the machine probes.
+                (["--seed", str(10**23)], "--seed must be in [0, 2**63)"),
                 (["--json", missing], "does not exist"),
                 (["--config", os.path.join(d, "none.json")], "no such config"),
                 (["--config", MOE_S, MOE_S], "a second config"),
@@ -223,6 +227,24 @@ class TestSliceRuns(CustomTestCase):
             self.assertEqual(
                 bs.count_ops(real, [1, 3], seed=0), bs.count_ops(small, [1, 3], seed=0)
             )
+
+    def test_random_drafts_raise_no_warning(self):
+        # The bench's drafts are random weights on purpose: the engines'
+        # "draft almost never accepted" advice is not for its user. 8 x 33
+        # request-steps fill the scheduler's health window.
+        spec = bs.load_spec(DEFAULT_MODEL_PATH)
+        with tempfile.TemporaryDirectory() as d:
+            pair = bs._stand_in_pair(spec, d, max_bs=8, seed=0)
+            with self.assertLogs("sglang.srt.managers", "WARNING") as logs:
+                bs.time_steps(pair, bs=8, steps=32, seed=0)
+            self.assertIn("almost never accepted", "".join(logs.output))
+            pair.engines["dspark"].flush_cache()  # it warns once an engine
+            with (
+                self.assertNoLogs("sglang.srt.managers", "WARNING"),
+                bs._random_drafts_expected(),
+            ):
+                bs.time_steps(pair, bs=8, steps=32, seed=0)
+        self.assertEqual(logging.getLogger(DRAFT_HEALTH_LOGGER).level, logging.NOTSET)
 
     def test_measured_experts_on_the_embedded_pair(self):
         need = bs.kv_need(context=16, steps=3 * 2 + 4, gamma=5)

@@ -20,7 +20,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang.train_tiny_pair import train
 
-register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
 
 class TestInterruptedInProcess(CustomTestCase):
@@ -84,6 +84,27 @@ class TestInterruptedInProcess(CustomTestCase):
                     self.assertEqual(out + ".partial" in err.getvalue(), named)
             with open(out + ".partial") as f:
                 self.assertEqual(json.load(f), [{"batch_size": 2}])
+            # Stopped while plotting: F.partial is already F (the line named
+            # the file gone before).
+            err = StringIO()
+            rows = [{"batch_size": 2, "greedy_output_equal": True}]
+            with (
+                mock.patch.object(
+                    bench_one_batch, "run", lambda args, on_row: on_row(rows) or rows
+                ),
+                mock.patch.object(
+                    bench_one_batch.bench_plots,
+                    "speedup_plot",
+                    side_effect=KeyboardInterrupt,
+                ),
+                redirect_stderr(err),
+            ):
+                code = bench_one_batch.main(["--json", out, "--plot-dir", d])
+            self.assertEqual(code, EXIT_INTERRUPTED)
+            self.assertNotIn(".partial", err.getvalue())
+            self.assertIn(f"every row is in {out}", err.getvalue())
+            with open(out) as f:
+                self.assertEqual(json.load(f), rows)
 
 
 class TestBenchOneBatchSigint(CustomTestCase):
@@ -122,6 +143,60 @@ class TestBenchOneBatchSigint(CustomTestCase):
             self.assertFalse(os.path.exists(out))  # not named as a whole run
             with open(out + ".partial") as f:
                 self.assertEqual([r["temperature"] for r in json.load(f)], [0.0])
+
+
+def _rank_pids(pid: int):
+    """The pids of ``pid``'s rank processes (its ``mp.spawn`` children)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    ranks = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    ranks.append(child)
+        except FileNotFoundError:
+            pass
+    return ranks
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+class TestBenchDsparkStepSigint(CustomTestCase):
+    @unittest.skipUnless(
+        os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+        "needs Linux's /proc/PID/task/PID/children to find the ranks",
+    )
+    def test_a_ctrl_c_to_the_launcher_alone_ends_its_ranks(self):
+        # `kill -INT` of the launcher only: before, its ranks ran to the end
+        # of their (here minutes of) work, the launcher waiting on them.
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "sglang.bench_dspark_step", "--ep-size", "2"]
+        cmd += ["--concurrency", "8", "--steps-per-capture", "100000"]
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while len(ranks := _rank_pids(proc.pid)) < 2:
+                self.assertIsNone(proc.poll(), "it ended before its ranks started")
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.05)
+            time.sleep(2)  # the ranks at work
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        self.assertEqual(proc.returncode, EXIT_INTERRUPTED, err)
+        self.assertNotIn("Traceback", err)
+        self.assertIn("bench_dspark_step: interrupted", err)
+        self.assertFalse([pid for pid in ranks if _running(pid)])
 
 
 if __name__ == "__main__":

@@ -355,13 +355,17 @@ class TestTrainTinyPair(CustomTestCase):
             ("--seed", "-1"),
             ("--output-dir", a_file),  # refused before any training
             ("--work-dir", a_file),
+            # Folders that cannot be made: an OSError after the training before.
+            ("--output-dir", os.path.join(a_file, "pair")),
+            ("--work-dir", os.path.join(a_file, "work")),
         ):
             with (
-                self.subTest(flag=flag),
-                self.assertRaises(SystemExit),
+                self.subTest(flag=flag, value=value),
+                self.assertRaises(SystemExit) as cm,
                 contextlib.redirect_stderr(io.StringIO()),
             ):
                 main(["--tiny", flag, value])
+            self.assertEqual(cm.exception.code, 2)
 
 
 if __name__ == "__main__":

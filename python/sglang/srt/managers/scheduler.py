@@ -48,6 +48,9 @@ from sglang.srt.managers.schedule_batch import (
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenSlotAllocator
 
 logger = logging.getLogger(__name__)
+# The draft-health warning's own logger: a run whose draft is random on
+# purpose (bench_scaling's stand-in weights) quiets it alone.
+DRAFT_HEALTH_LOGGER = f"{__name__}.draft_health"
 
 
 class DecodeWorker(Protocol):
@@ -139,6 +142,29 @@ class Scheduler:
         self.check_request(req)
         self.waiting.append(req)
 
+    def check_lengths(self, *, prompt_len: int, max_new_tokens: int) -> None:
+        """A request of these lengths fits the context and the KV, or
+        ValueError naming the limit it passes (checked from the lengths
+        alone: a bench can ask before it builds its prompts)."""
+        context = self.req_to_token_pool.max_context_len
+        if prompt_len + max_new_tokens > context:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} "
+                f"= {prompt_len + max_new_tokens} exceeds context_length {context}"
+            )
+        need = kv_slots_needed(
+            prompt_len=prompt_len,
+            max_new_tokens=max_new_tokens,
+            lookahead=self.lookahead,
+        )
+        capacity = min(context, self.allocator.num_slots)
+        if need > capacity:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} "
+                f"- 1 (the last is never written) + lookahead {self.lookahead} = "
+                f"{need} exceeds the KV capacity {capacity}"
+            )
+
     def check_request(self, req: Req) -> None:
         """Validate a request before it is queued; its token ids become Python
         ints (converted once). Raises ValueError naming the bad value."""
@@ -154,24 +180,12 @@ class Scheduler:
             ids = as_token_ids(ids, vocab_size=self.vocab_size)
         except ValueError as e:
             raise ValueError(f"request {req.rid}: {e}") from None
-        max_new = req.sampling_params.max_new_tokens
-        context = self.req_to_token_pool.max_context_len
-        if len(ids) + max_new > context:
-            raise ValueError(
-                f"request {req.rid}: prompt of {len(ids)} tokens + max_new_tokens "
-                f"{max_new} = {len(ids) + max_new} exceeds context_length {context}"
+        try:
+            self.check_lengths(
+                prompt_len=len(ids), max_new_tokens=req.sampling_params.max_new_tokens
             )
-        need = kv_slots_needed(
-            prompt_len=len(ids), max_new_tokens=max_new, lookahead=self.lookahead
-        )
-        capacity = min(context, self.allocator.num_slots)
-        if need > capacity:
-            raise ValueError(
-                f"request {req.rid}: prompt of {len(ids)} tokens + max_new_tokens "
-                f"{req.sampling_params.max_new_tokens} - 1 (the last is never "
-                f"written) + lookahead {self.lookahead} = {need} exceeds the KV "
-                f"capacity {capacity}"
-            )
+        except ValueError as e:
+            raise ValueError(f"request {req.rid}: {e}") from None
         stops = req.sampling_params.stop_token_ids or ()
         bad = [t for t in stops if t >= self.vocab_size]
         if bad:
@@ -425,7 +439,7 @@ class Scheduler:
             return
         if sum(window) / len(window) < self.HEALTH_FLOOR:
             self._warned_draft = True
-            logger.warning(
+            logging.getLogger(DRAFT_HEALTH_LOGGER).warning(
                 "the DSpark draft is almost never accepted: running accept "
                 "length %.3f over the last %d drafting request-steps; every "
                 "step pays for a block it throws away (output stays correct). "

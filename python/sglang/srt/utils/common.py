@@ -1,8 +1,9 @@
-"""Small checks shared by the argument and parameter validators, and the
-command line tools' exit on Ctrl-C."""
+"""Small checks shared by the argument and parameter validators, the
+command line tools' output folders, and their exit on Ctrl-C."""
 
 import math
 import numbers
+import os
 import sys
 
 # A shell's exit code for a process ended by Ctrl-C: 128 + SIGINT.
@@ -39,3 +40,30 @@ def checked_num_threads(name: str, value) -> int:
     if not 1 <= value <= MAX_NUM_THREADS:
         raise ValueError(f"{name} must be in [1, {MAX_NUM_THREADS}], got {value}")
     return int(value)
+
+
+# Seeds the engine takes (``random_seed``, ``sampling_seed``): [0, 2**63).
+SEED_BOUND = 2**63
+
+
+def check_seed(parser, flag: str, seed: int) -> None:
+    """A command line tool's seed, in the engine's range, or the parser's
+    error (before any work: a bench's machine probes run first)."""
+    if not 0 <= seed < SEED_BOUND:
+        parser.error(f"{flag} must be in [0, 2**63), got {seed}")
+
+
+def check_dir(parser, flag: str, path) -> None:
+    """An output folder of a bench (``--plot-dir``, ``--profile``) or of the
+    training, made before its run; a path naming a file, or one that cannot
+    be made or written in, is the parser's error."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag} {path} is a file; give a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        parser.error(f"{flag} {path}: cannot make it ({e.strerror})")
+    if not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f"{flag} {path}: not writable")
