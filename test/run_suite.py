@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,12 +44,15 @@ from sglang.test.ci.ci_register import (
     collect_registrations,
     collect_tests,
     find_test_files,
+    gpu_available,
     has_main_entry,
+    run_test_file,
     timeout_seconds,
 )
 
 REGISTERED = Path("registered")  # relative: main() runs from the test/ directory
 TAIL_LINES = 40
+DEFAULT_TIMEOUT_S = 900.0
 
 
 def suite_files(
@@ -69,34 +71,6 @@ def suite_files(
         ):
             by_file.setdefault(reg.filename, reg)
     return list(by_file.values())
-
-
-def gpu_available() -> bool:
-    try:
-        import torch  # lazy: listing and CPU suites never pay for the import
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def run_file(path: str, timeout: float) -> tuple[bool, float, str]:
-    """Run one test file from the cwd; returns (passed, seconds, output)."""
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [sys.executable, path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
-        ok, output = proc.returncode == 0, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        # The partial output arrives as bytes even with text=True.
-        raw = e.output or b""
-        partial = raw if isinstance(raw, str) else raw.decode(errors="replace")
-        ok, output = False, f"{partial}\ntimed out after {timeout:g}s"
-    return ok, time.monotonic() - start, output
 
 
 _RAN = re.compile(r"^Ran (\d+) tests? in ", re.M)
@@ -127,7 +101,7 @@ def run_suite(
     for i, reg in enumerate(selected, 1):
         start = time.monotonic()
         try:
-            ok, seconds, output = run_file(reg.filename, timeout)
+            ok, seconds, output = run_test_file([reg.filename], timeout)
         except KeyboardInterrupt:  # the file's process got the Ctrl-C too
             results.append(("FAILED", reg.filename, time.monotonic() - start))
             print(f"[{i}/{len(selected)}] INTERRUPTED {reg.filename}", flush=True)
@@ -236,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout-per-file",
         type=timeout_seconds,
-        default=900.0,
-        help="seconds (default 900)",
+        default=None,
+        help=f"seconds (default {DEFAULT_TIMEOUT_S:g})",
     )
     args = parser.parse_args(argv)
     if not args.check:
@@ -247,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"the following arguments are required: {', '.join(missing)} "
                 "(unless --check)"
             )
-    if args.check and (args.hw or args.suite or args.list or args.nightly):
-        parser.error(
-            "--check validates every file: it takes no --hw, --suite, "
-            "--list or --nightly"
-        )
+    run_flags = ("--hw", "--suite", "--list", "--nightly", "--continue-on-error")
+    given = [f for f in run_flags if getattr(args, f[2:].replace("-", "_"))]
+    if args.timeout_per_file is not None:
+        given.append("--timeout-per-file")
+    if args.check and given:
+        parser.error(f"--check validates every file: it takes no {', '.join(given)}")
+    if args.timeout_per_file is None:
+        args.timeout_per_file = DEFAULT_TIMEOUT_S
     if not args.root.is_dir():
         parser.error(f"--root {args.root}: not a directory")
     os.chdir(args.root)  # commands and messages use paths like registered/x.py
@@ -271,12 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     selected = suite_files(regs, args.hw, args.suite, nightly=args.nightly)
-    if not selected:  # every file of the suite nightly (without --nightly) or disabled
-        print(
-            f"note: suite {args.suite!r} has no file to run here: its files are "
-            "disabled or nightly (--nightly runs those)",
-            flush=True,
-        )
+    if not selected:  # the suite's files are all disabled, or nightly
+        why = "every file is disabled"
+        if not args.nightly:
+            why = "its files are disabled or nightly (--nightly runs those)"
+        print(f"note: suite {args.suite!r} has no file to run here: {why}", flush=True)
     if args.list:
         return list_suite(selected)
     return run_suite(

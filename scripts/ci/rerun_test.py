@@ -20,17 +20,18 @@ import argparse
 import ast
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple, Optional, TextIO
 
+from sglang.srt.utils.common import EXIT_INTERRUPTED
 from sglang.test.ci.ci_register import (
     CPU_RUNNER,
     CIRegistration,
     RegistrationError,
     collect_registrations,
+    gpu_available,
+    run_test_file,
     runner_label,
     timeout_seconds,
 )
@@ -189,32 +190,6 @@ def format_reply(groups: dict[str, list[Target]]) -> str:
     return "\n".join(lines)
 
 
-def gpu_available() -> bool:
-    try:
-        import torch  # lazy: CPU-only comments never pay for the import
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def run_file(target: Target, test_dir: Path, timeout: float) -> tuple[bool, float, str]:
-    """Run one test file (and selector) from test/; returns (passed, seconds, output)."""
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [sys.executable, *target.argv()],
-            cwd=test_dir,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
-        ok, output = proc.returncode == 0, proc.stdout
-    except subprocess.TimeoutExpired:
-        ok, output = False, f"timed out after {timeout:g}s"
-    return ok, time.monotonic() - start, output
-
-
 def run_groups(
     groups: dict[str, list[Target]],
     test_dir: Path,
@@ -223,27 +198,39 @@ def run_groups(
     timeout: float,
     out: TextIO = sys.stdout,
 ) -> tuple[int, int]:
-    """Run the groups this machine can run; prints like the bot, returns (passed, failed)."""
+    """Run the groups this machine can run; prints like the bot, returns
+    (passed, failed). A Ctrl-C counts the file it stopped as failed, prints
+    the last line and is raised again."""
     passed = failed = 0
-    for label, targets in groups.items():
-        if label != CPU_RUNNER and not gpu:
-            print(f"{label}: skipped, no GPU on this machine", file=out, flush=True)
-            continue
-        print(f"{label}:", file=out, flush=True)
-        group_passed = 0
-        for target in targets:
-            ok, seconds, output = run_file(target, test_dir, timeout)
-            mark = "✅ PASSED" if ok else "❌ FAILED"
-            print(f"  {mark} {target} ({seconds:.1f}s)", file=out)
-            if not ok:
-                tail = output.splitlines()[-TAIL_LINES:]
-                print("\n".join("      " + line for line in tail), file=out)
-            out.flush()
-            group_passed += 1 if ok else 0
-        group_failed = len(targets) - group_passed
-        print(f"{label}: {group_passed} passed, {group_failed} failed", file=out)
-        passed, failed = passed + group_passed, failed + group_failed
-    print(f"{passed} passed, {failed} failed", file=out, flush=True)
+    try:
+        for label, targets in groups.items():
+            if label != CPU_RUNNER and not gpu:
+                print(f"{label}: skipped, no GPU on this machine", file=out, flush=True)
+                continue
+            print(f"{label}:", file=out, flush=True)
+            group_passed = 0
+            for target in targets:
+                try:
+                    ok, seconds, output = run_test_file(
+                        target.argv(), timeout, cwd=test_dir
+                    )
+                except KeyboardInterrupt:  # the file's process got it too
+                    failed += 1
+                    print(f"  ⛔ INTERRUPTED {target}", file=out)
+                    print(f"{label}: interrupted (Ctrl-C)", file=out)
+                    raise
+                mark = "✅ PASSED" if ok else "❌ FAILED"
+                print(f"  {mark} {target} ({seconds:.1f}s)", file=out)
+                if not ok:
+                    tail = output.splitlines()[-TAIL_LINES:]
+                    print("\n".join("      " + line for line in tail), file=out)
+                out.flush()
+                group_passed += 1 if ok else 0
+                passed, failed = passed + ok, failed + (not ok)
+            group_failed = len(targets) - group_passed
+            print(f"{label}: {group_passed} passed, {group_failed} failed", file=out)
+    finally:
+        print(f"{passed} passed, {failed} failed", file=out, flush=True)
     return passed, failed
 
 
@@ -276,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.run and groups:
         gpu = any(label != CPU_RUNNER for label in groups) and gpu_available()
         print(flush=True)
-        _, failed = run_groups(
-            groups, root / "test", gpu=gpu, timeout=args.timeout_per_file
-        )
+        try:
+            _, failed = run_groups(
+                groups, root / "test", gpu=gpu, timeout=args.timeout_per_file
+            )
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
         status = 1 if failed else status
     return status
 

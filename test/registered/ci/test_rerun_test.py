@@ -212,6 +212,7 @@ class TestRerunTest(CustomTestCase):
         for args in (
             ["--run", "--timeout-per-file", "nan"],  # a traceback before
             ["--run", "--timeout-per-file", "-1"],
+            ["--run", "--timeout-per-file", "1e7"],  # past poll()'s range
             ["--root", str(self.root / "nonexistent")],  # the last --root
         ):
             with self.subTest(args=args):
@@ -219,6 +220,22 @@ class TestRerunTest(CustomTestCase):
                 self.assertEqual(proc.returncode, 2, proc.stdout + proc.stderr)
                 self.assertIn("usage: rerun_test.py", proc.stderr)
                 self.assertNotIn("Traceback", proc.stderr)
+
+    def test_cli_ctrl_c_prints_the_last_line(self) -> None:
+        # The file interrupts the runner as a Ctrl-C in the terminal would.
+        self.write(
+            "test_stop.py",
+            "register_cpu_ci(1, 'base')\n",
+            "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); "
+            "time.sleep(30)",
+        )
+        proc = self.cli("/rerun-test test_stop.py test_dp.py", "--run")
+        self.assertEqual(proc.returncode, 130, proc.stdout + proc.stderr)
+        self.assertNotIn("Traceback", proc.stderr)
+        self.assertIn("⛔ INTERRUPTED registered/test_stop.py", proc.stdout)
+        self.assertIn("ubuntu-latest: interrupted (Ctrl-C)", proc.stdout)
+        self.assertNotIn("PASSED", proc.stdout)  # test_dp.py did not run
+        self.assertEqual(proc.stdout.splitlines()[-1], "0 passed, 1 failed")
 
     def test_cli_run_reports_like_the_bot(self) -> None:
         proc = self.cli("/rerun-test", "test_dp.py", "test_fail.py", "--run")

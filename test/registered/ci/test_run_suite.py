@@ -282,6 +282,7 @@ class TestRunSuite(CustomTestCase):
             ["--timeout-per-file", "inf"],
             ["--timeout-per-file", "-1"],  # every file "timed out" before
             ["--timeout-per-file", "0"],
+            ["--timeout-per-file", "1e10"],  # past poll()'s range
             ["--root", str(self.test_dir / "nonexistent")],  # the last --root
         ):
             with self.subTest(args=args):
@@ -292,13 +293,22 @@ class TestRunSuite(CustomTestCase):
         proc = self.run_suite("--check", "--hw", "cpu", "--suite", "nope")
         self.assertEqual(proc.returncode, 2)  # it validated everything before
         self.assertIn("--check validates every file", proc.stderr)
+        proc = self.run_suite(
+            "--check", "--continue-on-error", "--timeout-per-file", "5"
+        )
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("no --continue-on-error, --timeout-per-file", proc.stderr)
 
     def test_a_suite_with_nothing_to_run_says_why(self) -> None:
         self.write("test_n.py", fake_test("register_cpu_ci(1, 'late', nightly=True)"))
         proc = self.run_suite("--hw", "cpu", "--suite", "late")
         self.assertEqual(proc.returncode, 0)
         self.assertIn("note: suite 'late' has no file to run here", proc.stdout)
+        self.assertIn("--nightly runs those", proc.stdout)
         self.assertEqual(proc.stdout.splitlines()[-1], "0 passed, 0 failed")
+        self.write("test_d.py", fake_test("register_cpu_ci(1, 'gone', False, 'x')"))
+        proc = self.run_suite("--hw", "cpu", "--suite", "gone", "--nightly")
+        self.assertIn("has no file to run here: every file is disabled", proc.stdout)
 
     def test_ctrl_c_prints_the_summary(self) -> None:
         # The file interrupts the runner as a Ctrl-C in the terminal would.

@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import ast
 import math
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn, Optional, Union
@@ -239,13 +242,53 @@ def runner_label(reg: CIRegistration) -> str:
     return RUNNER_LABELS.get(key or "", DEFAULT_CUDA_RUNNER)
 
 
+# The longest --timeout-per-file: a week (past about 24.8 days the wait's
+# poll() overflows).
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
 def timeout_seconds(text: str) -> float:
-    """An argparse type for the CI scripts' ``--timeout-per-file``: seconds,
-    finite and > 0 (else argparse's usage error, exit 2)."""
+    """An argparse type for the CI scripts' ``--timeout-per-file``: seconds
+    in (0, a week] (else argparse's usage error, exit 2)."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (0 < value < math.inf):  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be finite seconds > 0, got {text!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be seconds in (0, {MAX_TIMEOUT_S}], got {text!r}"
+        )
     return value
+
+
+def gpu_available() -> bool:
+    try:
+        import torch  # lazy: listing and CPU runs never pay for the import
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def run_test_file(
+    argv: list[str], timeout: float, *, cwd: Optional[PathLike] = None
+) -> tuple[bool, float, str]:
+    """``python3 *argv`` (a test file, and unittest's selectors) in ``cwd``,
+    the CI scripts' one way to run a file: (passed, seconds, output), the
+    output of one that ran past ``timeout`` kept up to then."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, *argv],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
+        ok, output = proc.returncode == 0, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        # The partial output arrives as bytes even with text=True.
+        raw = e.output or b""
+        partial = raw if isinstance(raw, str) else raw.decode(errors="replace")
+        ok, output = False, f"{partial}\ntimed out after {timeout:g}s"
+    return ok, time.monotonic() - start, output
