@@ -590,20 +590,22 @@ def run(args: argparse.Namespace) -> Dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        spawned = mp.spawn(
-            _rank_main,
-            args=(args.ep_size, get_open_port(), args, out_dir),
-            nprocs=args.ep_size,
-            join=False,
-        )
+        spawned = None
         try:
+            spawned = mp.spawn(
+                _rank_main,
+                args=(args.ep_size, get_open_port(), args, out_dir),
+                nprocs=args.ep_size,
+                join=False,
+            )
             while not spawned.join():
                 pass
         except KeyboardInterrupt:  # sent to this process alone, too: theirs end
-            for proc in spawned.processes:
+            procs = spawned.processes if spawned else []
+            for proc in procs:
                 if proc.is_alive():
                     proc.terminate()
-            for proc in spawned.processes:
+            for proc in procs:
                 proc.join()
             raise
         except Exception:  # a rank raised: its own message, when it left one

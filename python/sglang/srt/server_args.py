@@ -38,7 +38,7 @@ from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
 from sglang.srt.runtime_context import MOE_A2A_BACKENDS, get_parallel
 from sglang.srt.speculative.dspark_components.dspark_buffers import DSparkStepBuffers
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
-from sglang.srt.utils.common import checked_num_threads, is_finite
+from sglang.srt.utils.common import SEED_BOUND, checked_num_threads, is_finite
 
 SPECULATIVE_ALGORITHMS = (None, "DSPARK")
 KV_CACHE_DTYPE = torch.float32
@@ -183,7 +183,7 @@ class ServerArgs:
         self._check_speculative()
         self.device = _checked_device(self.device)
         self.random_seed = _checked_int(
-            "random_seed", self.random_seed, lo=0, hi=2**63, hi_text="2**63"
+            "random_seed", self.random_seed, lo=0, hi=SEED_BOUND, hi_text="2**63"
         )
         for name in ("max_running_requests", "max_total_tokens", "context_length"):
             setattr(self, name, _checked_int(name, getattr(self, name), lo=1))

@@ -667,10 +667,10 @@ def main(argv=None) -> int:
         f"sglang_train_tiny_pair_s{cfg.seed}_t{cfg.target_steps}_d{cfg.draft_steps}"
         f"_m{cfg.markov_rank}",
     )
-    # Made now: a folder that cannot be made fails before the training.
-    check_dir(p, "--work-dir", work)
+    # A folder that cannot be made fails before the training, not after.
+    check_dir(p, "--work-dir", work, make=False)
     if "export" in args.phases:
-        check_dir(p, "--output-dir", args.output_dir)
+        check_dir(p, "--output-dir", args.output_dir, make=False)
     if args.restart and os.path.isdir(work):
         shutil.rmtree(work)
     print(f"work dir: {work}; output dir: {args.output_dir}", flush=True)

@@ -366,6 +366,19 @@ class TestTrainTinyPair(CustomTestCase):
             ):
                 main(["--tiny", flag, value])
             self.assertEqual(cm.exception.code, 2)
+        # Checked, not made: a refused run leaves no folder behind.
+        out, work = os.path.join(self.root, "out"), os.path.join(self.root, "work")
+        with (
+            self.assertRaises(SystemExit),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            main(["--tiny", "--work-dir", work, "--output-dir", out, "--seed", "-1"])
+        with (
+            self.assertRaises(SystemExit),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            main(["--tiny", "--work-dir", work, "--output-dir", a_file])
+        self.assertFalse(os.path.exists(out) or os.path.exists(work))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from sglang.srt.models.registry import load_draft, load_target
 from sglang.srt.server_args import KV_CACHE_DTYPE, ServerArgs, _checked_int
 from sglang.srt.speculative.dspark_components.dspark_config import DSparkConfig
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
+from sglang.srt.utils.common import SEED_BOUND
 
 # Fields that legitimately differ per rank (each rank has its own GPU and
 # threads); every other ServerArgs field must agree over the EP group.
@@ -181,7 +182,7 @@ class Engine:
         Under DP attention each rank draws its own stream of it (rank 0 the
         seed's own): the ranks sample different requests, which must not
         share their noise. ``seed``: an int in [0, 2**63), as ``random_seed``."""
-        seed = _checked_int("seed", seed, lo=0, hi=2**63, hi_text="2**63")
+        seed = _checked_int("seed", seed, lo=0, hi=SEED_BOUND, hi_text="2**63")
         mixed = (seed + self.dp_rank * 0x9E3779B97F4A7C15) % 2**64
         self.generator.manual_seed(mixed)
 

@@ -15,7 +15,7 @@ from sglang.srt.layers.sampler import (
     SamplingTensors,
 )
 from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_INDEX
-from sglang.srt.utils.common import is_finite
+from sglang.srt.utils.common import SEED_BOUND, is_finite
 
 
 def _bad_bool(x) -> bool:
@@ -152,7 +152,7 @@ class SamplingParams:
                     "sampling_seed",
                     self.sampling_seed,
                     lo=0,
-                    hi=2**63 - 1,
+                    hi=SEED_BOUND - 1,
                     text=" in [0, 2**63)",
                 ),
             )

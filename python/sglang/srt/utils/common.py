@@ -53,17 +53,25 @@ def check_seed(parser, flag: str, seed: int) -> None:
         parser.error(f"{flag} must be in [0, 2**63), got {seed}")
 
 
-def check_dir(parser, flag: str, path) -> None:
+def check_dir(parser, flag: str, path, *, make: bool = True) -> None:
     """An output folder of a bench (``--plot-dir``, ``--profile``) or of the
-    training, made before its run; a path naming a file, or one that cannot
-    be made or written in, is the parser's error."""
+    training, checked before its run: a path naming a file, or a folder that
+    cannot be made or written in, is the parser's error. ``make``: made now
+    (a bench's); else only checked (the training's: a run that fails leaves
+    no folder it did not find)."""
     if path is None:
         return
     if os.path.exists(path) and not os.path.isdir(path):
         parser.error(f"{flag} {path} is a file; give a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        parser.error(f"{flag} {path}: cannot make it ({e.strerror})")
-    if not os.access(path, os.W_OK | os.X_OK):
-        parser.error(f"{flag} {path}: not writable")
+    if make:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            parser.error(f"{flag} {path}: cannot make it ({e.strerror})")
+    found = os.path.abspath(path)  # the folder itself, or what would hold it
+    while not os.path.exists(found):
+        found = os.path.dirname(found)
+    if not os.path.isdir(found):
+        parser.error(f"{flag} {path}: cannot make it ({found} is a file)")
+    if not os.access(found, os.W_OK | os.X_OK):
+        parser.error(f"{flag} {path}: {found} is not writable")
