@@ -77,6 +77,7 @@ class TestOpCounter(CustomTestCase):
                 lambda: x.clone().__setitem__(mask, 0.0),
             ),
             ("allclose", 1, lambda: torch.allclose(x, x)),
+            ("bincount", 1, lambda: torch.bincount(reps)),  # its length
             ("repeat_interleave(reps)", 1, lambda: torch.repeat_interleave(reps)),
             ("x.repeat_interleave(reps)", 1, lambda: x[:2].repeat_interleave(reps)),
             ("x[positions]", 0, lambda: x[torch.tensor([0, 2])]),

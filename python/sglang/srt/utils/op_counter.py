@@ -12,7 +12,7 @@ compare variants without timing noise.
 - ``h2d_copies``: copies from host memory into a device tensor;
 - ``host_reads``: ops that make the host wait for device data: ``.item()``
   and ``int()`` / ``bool()`` of a tensor (``_local_scalar_dense``),
-  ``nonzero``, ``equal``, ``allclose``, ``masked_select``, ``unique``,
+  ``nonzero``, ``bincount``, ``equal``, ``allclose``, ``masked_select``, ``unique``,
   indexing by a bool mask (``x[m]``, and ``x[m] = v`` unless ``v`` is one
   value on the CPU: a ``nonzero`` inside the kernel), ``repeat_interleave``
   without ``output_size``, and copies from a
@@ -39,6 +39,7 @@ _aten = torch.ops.aten
 _HOST_READS = {
     _aten._local_scalar_dense.default,
     _aten.nonzero.default,
+    _aten.bincount.default,  # its length: the largest value + 1
     _aten.equal.default,
     _aten.allclose.default,
     _aten.is_nonzero.default,

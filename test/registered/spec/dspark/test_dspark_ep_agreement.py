@@ -91,6 +91,15 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         )
     finally:
         os.chdir(cwd)
+    # One table file for both, measured at different thread counts: the
+    # last writer's key failed the other rank's check on every restart.
+    result["table_threads"] = _error(
+        lambda: Engine(
+            speculative_algorithm="DSPARK",
+            speculative_dspark_sps_table_path=os.path.join(out_dir, "shared.json"),
+            **dict(ARGS, num_threads=1 + rank),
+        )
+    )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -209,6 +218,12 @@ class TestExpertParallelAgreement(CustomTestCase):
             kind, message = rank["table"]
             self.assertEqual(kind, "ValueError")
             self.assertIn("present on some ranks only", message)
+
+    def test_ranks_sharing_a_cost_table_measure_it_alike(self):
+        for rank in self.ranks:
+            kind, message = rank["table_threads"]
+            self.assertEqual(kind, "ValueError")
+            self.assertIn("the same num_threads", message)
 
     def test_expert_parallel_ranks_keep_their_steps_in_lockstep(self):
         # A rank reseeded alone is refused on both (it used to sum other

@@ -235,6 +235,15 @@ class DSparkWorkerV2:
         agree first on which: measuring runs the MoE's collectives."""
         exists = path is not None and os.path.exists(path)
         group = self._ep_cpu_group
+        if group is not None and path is not None:
+            # One file for every rank: measured, and checked, by one key.
+            check_ranks_agree(
+                digest=digest_of(self._cost_key()),
+                group=group,
+                what=f"cost table {path!r}'s configuration (the ranks share the "
+                f"file: give them the same num_threads and GPU model, or no "
+                f"speculative_dspark_sps_table_path)",
+            )
         if group is not None:
             check_ranks_agree(
                 digest=digest_of(exists),
