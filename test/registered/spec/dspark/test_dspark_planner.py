@@ -6,6 +6,7 @@ output equal to plain decoding."""
 
 import copy
 import itertools
+import json
 import os
 import tempfile
 import unittest
@@ -168,10 +169,31 @@ class TestCostTable(CustomTestCase):
             self.assertEqual(os.listdir(d), ["table.json"])
             other.save(path)
             self.assertEqual(VerifyCostTable.load(path), other)
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o644)  # not 0600
             with open(path, "w") as f:
                 f.write("{")
             with self.assertRaisesRegex(ValueError, "unreadable"):
                 VerifyCostTable.load(path)
+            # Hand edits that loaded as another table, or escaped the error.
+            good = {"batch_sizes": [1, 2], "gamma": 1, "seconds": [[1, 2], [2, 3]]}
+            for field, value in (
+                ("seconds", ["12", "12"]),  # read as the digits 1, 2
+                ("batch_sizes", "12"),
+                ("gamma", 1.9),  # read as 1
+                ("gamma", True),
+                ("batch_sizes", [1.7, 2.2]),
+                ("gamma", "1e400"),  # 1e400 below, unquoted: an OverflowError
+                ("measured_for", 7),
+            ):
+                with self.subTest(field=field, value=value):
+                    text = json.dumps(dict(good, **{field: value}))
+                    with open(path, "w") as f:
+                        f.write(text.replace('"1e400"', "1e400"))
+                    with self.assertRaisesRegex(ValueError, "unreadable"):
+                        VerifyCostTable.load(path)
+            with open(path, "w") as f:
+                json.dump(good, f)
+            self.assertEqual(VerifyCostTable.load(path).seconds, ((1, 2), (2, 3)))
         for bad in (0.0, float("nan"), float("inf"), 10**400):  # past float
             with self.assertRaisesRegex(ValueError, "positive finite"):
                 VerifyCostTable(batch_sizes=(1,), gamma=1, seconds=((1.0, bad),))
@@ -219,6 +241,24 @@ class TestPlanner(CustomTestCase):
         self._know(costly, {5: 0.5})
         low = [[0.55, 0.55]] * 2
         self.assertEqual(costly.plan(confidence=low, sampled=[False, False]), 0)
+
+    def test_blind_requests_are_credited_their_equal_shares(self):
+        # Sampled rows calibrated .95 and .10 (bins 9 and 1), plain 1 and .6
+        # a draft. Scheduled by confidence (seeded), L = 1 verifies r0's two
+        # drafts: 2 + .95 + .9025 = 3.85 tokens for 3.2, 1.20 a plain step's
+        # rate: budget 2. Blind (unseeded), the device gives each request one
+        # draft: 2 + .95 + .10 = 3.05 for 3.2, 0.95; L = 2, 3.9625 for 4.4,
+        # 0.90: a plain step. Crediting the best gains chose budget 2, about
+        # 5% slower than plain decoding.
+        conf, kinds = [[0.95, 0.95], [0.15, 0.15]], [True, True]
+        for blind, budget in (([False, False], 2), ([True, True], 0)):
+            planner = self._planner(_table(per_draft=0.6))
+            for b, rate in {9: 0.95, 1: 0.10}.items():
+                planner.seen[1][b], planner.accepted[1][b] = 1e9, rate * 1e9
+            with self.subTest(blind=blind):
+                self.assertEqual(
+                    planner.plan(confidence=conf, sampled=kinds, blind=blind), budget
+                )
 
     def test_near_ties_take_the_larger_budget(self):
         # Rates within TIE of the best: verify more (the same throughput,

@@ -85,6 +85,8 @@ class VerifyCostTable:
             prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path) or "."
         )
         try:
+            # mkstemp's 0600 would keep the table from ranks run by others.
+            os.fchmod(fd, 0o644)
             with os.fdopen(fd, "w") as f:
                 json.dump(
                     {
@@ -106,14 +108,36 @@ class VerifyCostTable:
         try:
             with open(path) as f:
                 raw = json.load(f)
+            # As save writes them: ints, lists of numbers, a string (a "12"
+            # read as a list, or 1.9 as an int, would load as another table).
+            sizes, gamma, rows = raw["batch_sizes"], raw["gamma"], raw["seconds"]
+            measured_for = raw.get("measured_for", "")
+            if not (
+                _is_int(gamma)
+                and isinstance(sizes, list)
+                and all(map(_is_int, sizes))
+                and isinstance(rows, list)
+                and all(isinstance(r, list) for r in rows)
+                and all(_is_number(t) for r in rows for t in r)
+                and isinstance(measured_for, str)
+            ):
+                raise ValueError("not the format save writes")
             return cls(
-                batch_sizes=tuple(int(b) for b in raw["batch_sizes"]),
-                gamma=int(raw["gamma"]),
-                seconds=tuple(tuple(float(t) for t in r) for r in raw["seconds"]),
-                measured_for=str(raw.get("measured_for", "")),
+                batch_sizes=tuple(sizes),
+                gamma=gamma,
+                seconds=tuple(tuple(float(t) for t in r) for r in rows),
+                measured_for=measured_for,
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cost table {path!r} is unreadable: {e}") from None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 # Tables measured in this process, by what they depend on (architecture,

@@ -348,19 +348,27 @@ class DSparkVerifyPlanner:
         confidence: Sequence[Optional[Sequence[float]]],  # per request: [gamma] raw
         sampled: Sequence[bool],  # per request
         rows: Optional[int] = None,  # the step's bucket (None: bs, unpadded)
+        blind: Optional[Sequence[bool]] = None,  # per request (None: none)
     ) -> int:
         """A new plan: the budget (drafts to verify in all, a multiple of bs)
         for this step and the ``replan_every - 1`` after it (``held``; none
         after a plain or an exploring one). A
         request's confidence is None before its first block. In a bucket of
-        ``rows``, tier L verifies L * rows drafts, the real requests' first
-        (``ScheduleVerifyLensTopk``): it is credited with that many gains."""
+        ``rows``, tier L verifies L * rows drafts, the real requests' first.
+
+        Each tier is credited with the calibrated chances of the drafts the
+        device will pick for it: ``ScheduleVerifyLensTopk`` ranks them by
+        the running product of the raw confidences (here the last block's),
+        and a ``blind`` request's (an unseeded sampled one) by
+        BLIND_CONFIDENCE's, so that the blind take equal shares whatever
+        they would accept."""
         self._tick()
         bs, g = len(confidence), self.gamma
         rows = bs if rows is None else rows
-        gains = []
-        for raw, kind in zip(confidence, sampled):
-            p = 1.0
+        blind = [False] * bs if blind is None else blind
+        picks = []  # (the device's ranking key, the calibrated chance) a draft
+        for raw, kind, alike in zip(confidence, sampled, blind):
+            p = key = 1.0
             for k in range(g):
                 c = (
                     self.position_rate[k]
@@ -368,8 +376,15 @@ class DSparkVerifyPlanner:
                     else self.calibrate(raw[k], kind, k)
                 )
                 p *= c
-                gains.append(p)
-        gains.sort(reverse=True)
+                if alike:
+                    key *= BLIND_CONFIDENCE
+                elif raw is None:  # its block's confidence is not known yet
+                    key *= c
+                else:  # a non-finite one (a broken draft) as in _bin: 0
+                    key *= raw[k] if math.isfinite(raw[k]) else 0.0
+                picks.append((key, p))
+        picks.sort(key=lambda pick: pick[0], reverse=True)
+        gains = [p for _, p in picks]
         costs = self._tier_costs.get(bs)
         if costs is None:
             costs = self._tier_costs[bs] = [

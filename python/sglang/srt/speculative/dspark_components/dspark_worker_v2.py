@@ -471,10 +471,16 @@ class DSparkWorkerV2:
         planner, bs = self.planner, batch.batch_size
         budget = planner.held(bs)
         if budget is None:
+            sampled = [r.sampling_params.temperature > 0 for r in batch.reqs]
             budget = planner.plan(
                 confidence=[r.spec_draft_confidence for r in batch.reqs],
-                sampled=[r.sampling_params.temperature > 0 for r in batch.reqs],
+                sampled=sampled,
                 rows=self.graph_runner.padded_size(bs),
+                # As _lay_out_ragged schedules them: unseeded sampled rows.
+                blind=[
+                    s and r.sampling_params.sampling_seed is None
+                    for s, r in zip(sampled, batch.reqs)
+                ],
             )
             if self._agrees_plans:
                 # Every EP rank runs the same steps (their MoE all-reduces
