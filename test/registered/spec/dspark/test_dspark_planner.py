@@ -562,6 +562,39 @@ class TestBudgetsEndToEnd(CustomTestCase):
         for name in ("resumed", "retried"):
             torch.testing.assert_close(runs[name], runs["always"], rtol=1e-4, atol=1e-5)
 
+    def test_the_step_resuming_drafting_is_not_a_drafting_steps_cost(self):
+        # It also writes the context stashed by the plain steps before it:
+        # observed, it skewed the drafting scale up after every plain streak.
+        engine = _engine("auto")
+        planner, sched = engine.worker.planner, engine.scheduler
+        req = Req(
+            rid=0,
+            origin_input_ids=PROMPTS[1],
+            sampling_params=SamplingParams(max_new_tokens=60),
+        )
+        sched.add_request(req)
+        sched.step()  # admission and prefill, one decode step
+
+        def hold(budget):  # the plan held for the next steps
+            planner._last, planner._countdown = (1, budget), 100
+
+        observed = []
+        spy = mock.patch.object(
+            planner,
+            "observe_cost",
+            side_effect=lambda **kw: observed.append(kw["budget"]),
+        )
+        with spy:
+            hold(0)
+            for _ in range(3):
+                sched.step()
+            self.assertIsNotNone(req.draft_context_from)  # owed
+            hold(engine.worker.gamma)
+            sched.step()  # writes the stashed context, then drafts
+            self.assertIsNone(req.draft_context_from)
+            sched.step()
+        self.assertEqual(observed, [0, 0, 0, engine.worker.gamma])
+
 
 def _learned(planner) -> dict:
     """A copy of what a planner holds besides its cost table."""

@@ -162,6 +162,7 @@ class DSparkWorkerV2:
             device=self.device,
             spans=self.spans,
         )
+        self._wrote_stash = False  # this step wrote plain steps' context
         # On a GPU the output phase reads one packed buffer (and the drafts'
         # confidence) into pinned host memory; on the CPU it reads in place.
         self._host = None
@@ -446,7 +447,10 @@ class DSparkWorkerV2:
         )
         with self.spans("output"):
             out = self._output(batch, rows, budget, budget > 0 and observed)
-        if self.planner is not None and bs:  # what the step cost, as planned
+        # What the step cost, as planned; not a step that also wrote the
+        # context of the plain steps before it (their cost, not a drafting
+        # step's: a plain streak's exploring steps would skew the scale up).
+        if self.planner is not None and bs and not self._wrote_stash:
             real = budget * bs // rows
             seconds = time.perf_counter() - start
             self.planner.observe_cost(bs=bs, budget=real, seconds=seconds)
@@ -529,8 +533,8 @@ class DSparkWorkerV2:
                 device=self.device,
                 rows_of=lambda n: self._verify_rows(n, budget),
             )
+        self._wrote_stash = budget > 0 and self._write_stashed_context(batch)
         if budget > 0:
-            self._write_stashed_context(batch)
             self.proposer.prepare(views=v, batch=batch, scalar=buffers.draft_scalar)
         if mode is not SamplingMode.GREEDY:
             seeded, st = batch.sampling_info.extras.seeded, v.state.sampling
@@ -555,9 +559,10 @@ class DSparkWorkerV2:
         left: ``ScheduleVerifyLensTopk``), so the host knows the count."""
         return num_reqs + min(budget, num_reqs * self.gamma)
 
-    def _write_stashed_context(self, batch: ScheduleBatch) -> None:
+    def _write_stashed_context(self, batch: ScheduleBatch) -> bool:
         """Before drafting: the draft context of positions that plain steps
-        committed (stashed target hidden states) into the draft's KV."""
+        committed (stashed target hidden states) into the draft's KV.
+        Whether there was any."""
         slots, positions, written = [], [], []
         for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu):
             if req.draft_context_from is not None:
@@ -577,6 +582,7 @@ class DSparkWorkerV2:
                 )
         for req in written:  # only once written: a failed write is redone
             req.draft_context_from = None
+        return bool(slots)
 
     def _verify_batch(self, v: DSparkStepViews, rows: int, budget: int) -> ForwardBatch:
         """The target batch a step of this budget runs."""
