@@ -107,34 +107,49 @@ class TestInterruptedInProcess(CustomTestCase):
                 self.assertEqual(json.load(f), rows)
 
 
+def _sigint_when_ready(test, argv, ready, *, settle=0.0, timeout=60):
+    """``python -m *argv`` with one thread; once ``ready()`` gives a true
+    value (and ``settle`` seconds more), a SIGINT to that process alone.
+    Asserts exit 130 without a traceback; returns (ready's value, stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (value := ready(proc.pid)):
+            test.assertIsNone(proc.poll(), "it ended before it was ready")
+            test.assertLess(time.monotonic(), deadline)
+            time.sleep(0.02)
+        time.sleep(settle)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    test.assertEqual(proc.returncode, EXIT_INTERRUPTED, err)
+    test.assertNotIn("Traceback", err)
+    return value, err
+
+
 class TestBenchOneBatchSigint(CustomTestCase):
     def test_a_real_ctrl_c_keeps_the_finished_rows(self):
         # Two rows; SIGINT once the first is written: exit 130, no
         # traceback, the first row kept in the .partial file the line names.
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.json")
-            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            cmd = [sys.executable, "-m", "sglang.bench_one_batch"]
-            cmd += ["--batch-size", "1", "--temperature", "0", "1"]
+            cmd = ["sglang.bench_one_batch", "--batch-size", "1"]
+            cmd += ["--temperature", "0", "1"]
             cmd += ["--input-len", "8", "--repeats", "1", "--prompts", "random"]
             cmd += ["--output-len", "8", "--num-prompts", "1", "--json", out]
             # The second row long enough to be interrupted inside.
             cmd += ["--block-steps", "1"]
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            _, err = _sigint_when_ready(
+                self, cmd, lambda pid: os.path.exists(out + ".partial")
             )
-            try:
-                deadline = time.monotonic() + 120
-                while not os.path.exists(out + ".partial"):
-                    self.assertIsNone(proc.poll(), "it ended before its first row")
-                    self.assertLess(time.monotonic(), deadline)
-                    time.sleep(0.02)
-                proc.send_signal(signal.SIGINT)
-                _, err = proc.communicate(timeout=60)
-            finally:
-                proc.kill()
-            self.assertEqual(proc.returncode, EXIT_INTERRUPTED, err)
-            self.assertNotIn("Traceback", err)
             self.assertIn(
                 f"bench_one_batch: interrupted; the rows done so far are in "
                 f"{out}.partial",
@@ -176,25 +191,15 @@ class TestBenchDsparkStepSigint(CustomTestCase):
     def test_a_ctrl_c_to_the_launcher_alone_ends_its_ranks(self):
         # `kill -INT` of the launcher only: before, its ranks ran to the end
         # of their (here minutes of) work, the launcher waiting on them.
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "sglang.bench_dspark_step", "--ep-size", "2"]
+        cmd = ["sglang.bench_dspark_step", "--ep-size", "2"]
         cmd += ["--concurrency", "8", "--steps-per-capture", "100000"]
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ranks, err = _sigint_when_ready(
+            self,
+            cmd,
+            lambda pid: (r := _rank_pids(pid)) and len(r) >= 2 and r,
+            settle=2,  # the ranks at work
+            timeout=30,
         )
-        try:
-            deadline = time.monotonic() + 120
-            while len(ranks := _rank_pids(proc.pid)) < 2:
-                self.assertIsNone(proc.poll(), "it ended before its ranks started")
-                self.assertLess(time.monotonic(), deadline)
-                time.sleep(0.05)
-            time.sleep(2)  # the ranks at work
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-        self.assertEqual(proc.returncode, EXIT_INTERRUPTED, err)
-        self.assertNotIn("Traceback", err)
         self.assertIn("bench_dspark_step: interrupted", err)
         self.assertFalse([pid for pid in ranks if _running(pid)])
 
