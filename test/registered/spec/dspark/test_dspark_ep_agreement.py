@@ -91,15 +91,16 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         )
     finally:
         os.chdir(cwd)
-    # One table file for both, measured at different thread counts: the
-    # last writer's key failed the other rank's check on every restart.
-    result["table_threads"] = _error(
-        lambda: Engine(
-            speculative_algorithm="DSPARK",
-            speculative_dspark_sps_table_path=os.path.join(out_dir, "shared.json"),
-            **dict(ARGS, num_threads=1 + rank),
-        )
+    # One table file for both, measured at different thread counts: on the
+    # restart the last writer's key fails the other rank's check, which
+    # refused alone (the other rank then waited at its first exchange).
+    shared = dict(
+        ARGS,
+        num_threads=1 + rank,
+        speculative_algorithm="DSPARK",
+        speculative_dspark_sps_table_path=os.path.join(out_dir, "shared.json"),
     )
+    result["table_threads"] = [_error(lambda: Engine(**shared)) for _ in range(2)]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -219,11 +220,13 @@ class TestExpertParallelAgreement(CustomTestCase):
             self.assertEqual(kind, "ValueError")
             self.assertIn("present on some ranks only", message)
 
-    def test_ranks_sharing_a_cost_table_measure_it_alike(self):
+    def test_a_cost_table_that_fits_some_ranks_only_stops_all(self):
         for rank in self.ranks:
-            kind, message = rank["table_threads"]
+            first, restart = rank["table_threads"]
+            self.assertIsNone(first)  # measured and saved
+            kind, message = restart
             self.assertEqual(kind, "ValueError")
-            self.assertIn("the same num_threads", message)
+            self.assertIn("fits some ranks' configuration only", message)
 
     def test_expert_parallel_ranks_keep_their_steps_in_lockstep(self):
         # A rank reseeded alone is refused on both (it used to sum other

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import tempfile
+import time
 import unittest
 from unittest import mock
 
@@ -184,6 +185,7 @@ class TestCostTable(CustomTestCase):
                 ("batch_sizes", [1.7, 2.2]),
                 ("gamma", "1e400"),  # 1e400 below, unquoted: an OverflowError
                 ("measured_for", 7),
+                ("seconds", [[1, 10**401], [2, 3]]),  # float() overflows
             ):
                 with self.subTest(field=field, value=value):
                     text = json.dumps(dict(good, **{field: value}))
@@ -259,6 +261,27 @@ class TestPlanner(CustomTestCase):
                 self.assertEqual(
                     planner.plan(confidence=conf, sampled=kinds, blind=blind), budget
                 )
+
+    def test_blind_ties_are_credited_whatever_the_order(self):
+        # A greedy request and two blind ones: the blind drafts at one
+        # position tie on the device's key and are picked in no set order.
+        # Crediting the tied drafts of the first request listed made the
+        # plan depend on the order (3 against 0).
+        conf = [[0.95, 0.95], [0.95, 0.95], [0.15, 0.15]]
+        plans = []
+        for order in ([0, 1, 2], [0, 2, 1]):
+            planner = self._planner(_table(per_draft=0.6))
+            self._know(planner, {9: 0.95})
+            for b, rate in {9: 0.95, 1: 0.10}.items():
+                planner.seen[1][b], planner.accepted[1][b] = 1e9, rate * 1e9
+            plans.append(
+                planner.plan(
+                    confidence=[conf[i] for i in order],
+                    sampled=[i > 0 for i in order],
+                    blind=[i > 0 for i in order],
+                )
+            )
+        self.assertEqual(plans[0], plans[1])
 
     def test_near_ties_take_the_larger_budget(self):
         # Rates within TIE of the best: verify more (the same throughput,
@@ -562,11 +585,13 @@ class TestBudgetsEndToEnd(CustomTestCase):
         for name in ("resumed", "retried"):
             torch.testing.assert_close(runs[name], runs["always"], rtol=1e-4, atol=1e-5)
 
-    def test_the_step_resuming_drafting_is_not_a_drafting_steps_cost(self):
+    def test_the_step_resuming_drafting_is_timed_without_the_stash_write(self):
         # It also writes the context stashed by the plain steps before it:
-        # observed, it skewed the drafting scale up after every plain streak.
+        # timed with it, it skewed the drafting scale up after every plain
+        # streak (whose only drafting steps are such).
         engine = _engine("auto")
-        planner, sched = engine.worker.planner, engine.scheduler
+        worker, sched = engine.worker, engine.scheduler
+        planner = worker.planner
         req = Req(
             rid=0,
             origin_input_ids=PROMPTS[1],
@@ -578,22 +603,36 @@ class TestBudgetsEndToEnd(CustomTestCase):
         def hold(budget):  # the plan held for the next steps
             planner._last, planner._countdown = (1, budget), 100
 
+        write = worker._write_stashed_context
+
+        def slow_write(batch):  # a stash write that takes 0.3 s
+            time.sleep(0.3)
+            return write(batch)
+
         observed = []
-        spy = mock.patch.object(
-            planner,
-            "observe_cost",
-            side_effect=lambda **kw: observed.append(kw["budget"]),
-        )
-        with spy:
+        with (
+            mock.patch.object(
+                planner,
+                "observe_cost",
+                side_effect=lambda **kw: observed.append((kw["budget"], kw["seconds"])),
+            ),
+            mock.patch.object(worker, "_write_stashed_context", side_effect=slow_write),
+        ):
             hold(0)
             for _ in range(3):
                 sched.step()
             self.assertIsNotNone(req.draft_context_from)  # owed
-            hold(engine.worker.gamma)
+            hold(worker.gamma)
+            began = time.perf_counter()
             sched.step()  # writes the stashed context, then drafts
+            took = time.perf_counter() - began
             self.assertIsNone(req.draft_context_from)
             sched.step()
-        self.assertEqual(observed, [0, 0, 0, engine.worker.gamma])
+        self.assertEqual(
+            [b for b, _ in observed], [0, 0, 0, worker.gamma, worker.gamma]
+        )
+        self.assertGreater(took, 0.3)
+        self.assertLess(observed[3][1], 0.3)  # the step less its stash write
 
 
 def _learned(planner) -> dict:

@@ -128,7 +128,7 @@ class VerifyCostTable:
                 seconds=tuple(tuple(float(t) for t in r) for r in rows),
                 measured_for=measured_for,
             )
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as e:
             raise ValueError(f"cost table {path!r} is unreadable: {e}") from None
 
 

@@ -13,6 +13,7 @@
   ``ragged_verify_layout`` places the rows: the verify runs only those.
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -380,11 +381,18 @@ class DSparkVerifyPlanner:
                     key *= BLIND_CONFIDENCE
                 elif raw is None:  # its block's confidence is not known yet
                     key *= c
-                else:  # a non-finite one (a broken draft) as in _bin: 0
-                    key *= raw[k] if math.isfinite(raw[k]) else 0.0
+                elif math.isnan(raw[k]) or key == math.inf:
+                    key = math.inf  # a broken draft's: topk ranks NaN first
+                else:
+                    key *= raw[k]
                 picks.append((key, p))
         picks.sort(key=lambda pick: pick[0], reverse=True)
-        gains = [p for _, p in picks]
+        # Equal keys (the blind requests' at one position) are picked in no
+        # set order: each is credited the mean chance of its group.
+        gains = []
+        for _, group in itertools.groupby(picks, key=lambda pick: pick[0]):
+            chances = [p for _, p in group]
+            gains += [sum(chances) / len(chances)] * len(chances)
         costs = self._tier_costs.get(bs)
         if costs is None:
             costs = self._tier_costs[bs] = [

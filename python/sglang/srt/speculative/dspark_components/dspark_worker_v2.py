@@ -162,7 +162,7 @@ class DSparkWorkerV2:
             device=self.device,
             spans=self.spans,
         )
-        self._wrote_stash = False  # this step wrote plain steps' context
+        self._stash_seconds = 0.0  # this step's write of plain steps' context
         # On a GPU the output phase reads one packed buffer (and the drafts'
         # confidence) into pinned host memory; on the CPU it reads in place.
         self._host = None
@@ -236,15 +236,6 @@ class DSparkWorkerV2:
         agree first on which: measuring runs the MoE's collectives."""
         exists = path is not None and os.path.exists(path)
         group = self._ep_cpu_group
-        if group is not None and path is not None:
-            # One file for every rank: measured, and checked, by one key.
-            check_ranks_agree(
-                digest=digest_of(self._cost_key()),
-                group=group,
-                what=f"cost table {path!r}'s configuration (the ranks share the "
-                f"file: give them the same num_threads and GPU model, or no "
-                f"speculative_dspark_sps_table_path)",
-            )
         if group is not None:
             check_ranks_agree(
                 digest=digest_of(exists),
@@ -253,18 +244,37 @@ class DSparkWorkerV2:
                 f"rank loads it or every rank measures, which runs collectives)",
             )
         if exists:
-            table = VerifyCostTable.load(path)
-            if table.gamma != self.gamma:
-                raise ValueError(
+            problem, table = None, None
+            try:
+                table = VerifyCostTable.load(path)
+            except ValueError as e:
+                problem = str(e)
+            if table is not None and table.gamma != self.gamma:
+                problem = (
                     f"cost table {path!r} is for gamma {table.gamma}, not {self.gamma}"
                 )
-            if table.measured_for != digest_of(self._cost_key()).hex():
-                raise ValueError(
+            elif (
+                table is not None
+                and table.measured_for != digest_of(self._cost_key()).hex()
+            ):
+                problem = (
                     f"cost table {path!r} was measured for another configuration "
                     f"(model, device, context, threads, batch sizes or parallel "
-                    f"layout): "
-                    f"remove it to measure this one"
+                    f"layout): remove it to measure this one"
                 )
+            if group is not None:
+                # Every rank learns when one refuses (it would leave the others
+                # waiting at their first exchange): ranks reading one file
+                # measured by another's configuration (another num_threads).
+                check_ranks_agree(
+                    digest=digest_of(problem is None),
+                    group=group,
+                    what=f"cost table {path!r}, which fits some ranks' "
+                    f"configuration only (ranks sharing one file: the same "
+                    f"num_threads and GPU model)",
+                )
+            if problem is not None:
+                raise ValueError(problem)
         else:
             table = self._measure_cost_table()
             if path is not None:
@@ -355,6 +365,17 @@ class DSparkWorkerV2:
 
         key = self._cost_key()
         table = MEASURED.get(key)
+        if self._ep_cpu_group is not None:
+            # Measuring runs the MoE's collectives: every rank measures when
+            # one must (ranks differing in num_threads differ in their keys,
+            # and in what this process measured before).
+            cached = all_gather_ints(
+                values=[table is not None],
+                group=self._ep_cpu_group,
+                what="whether the cost table is measured",
+            )
+            if not all(r[0] for r in cached):
+                table = None
         if table is None:
             with torch.no_grad():
                 table = measure_cost_table(
@@ -447,12 +468,12 @@ class DSparkWorkerV2:
         )
         with self.spans("output"):
             out = self._output(batch, rows, budget, budget > 0 and observed)
-        # What the step cost, as planned; not a step that also wrote the
-        # context of the plain steps before it (their cost, not a drafting
-        # step's: a plain streak's exploring steps would skew the scale up).
-        if self.planner is not None and bs and not self._wrote_stash:
+        if self.planner is not None and bs:  # what the step cost, as planned
             real = budget * bs // rows
-            seconds = time.perf_counter() - start
+            # Less the context the plain steps before it stashed (their cost,
+            # not a drafting step's: after a plain streak it skewed the scale
+            # up). On a GPU only its launch is timed here.
+            seconds = time.perf_counter() - start - self._stash_seconds
             self.planner.observe_cost(bs=bs, budget=real, seconds=seconds)
         return out
 
@@ -533,8 +554,11 @@ class DSparkWorkerV2:
                 device=self.device,
                 rows_of=lambda n: self._verify_rows(n, budget),
             )
-        self._wrote_stash = budget > 0 and self._write_stashed_context(batch)
+        self._stash_seconds = 0.0
         if budget > 0:
+            began = time.perf_counter()
+            if self._write_stashed_context(batch):
+                self._stash_seconds = time.perf_counter() - began
             self.proposer.prepare(views=v, batch=batch, scalar=buffers.draft_scalar)
         if mode is not SamplingMode.GREEDY:
             seeded, st = batch.sampling_info.extras.seeded, v.state.sampling
