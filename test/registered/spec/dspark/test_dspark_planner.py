@@ -558,12 +558,7 @@ class TestBudgetsEndToEnd(CustomTestCase):
         for name, budget in (("resumed", 0), ("retried", 0), ("always", "off")):
             engine = _engine(budget)
             sched = engine.scheduler
-            req = Req(
-                rid=0,
-                origin_input_ids=PROMPTS[1],
-                sampling_params=SamplingParams(max_new_tokens=40),
-            )
-            sched.add_request(req)
+            req = _one_request(engine, max_new_tokens=40)
             while len(req.output_ids) < 12:
                 sched.step()
             if name != "always":
@@ -592,12 +587,7 @@ class TestBudgetsEndToEnd(CustomTestCase):
         engine = _engine("auto")
         worker, sched = engine.worker, engine.scheduler
         planner = worker.planner
-        req = Req(
-            rid=0,
-            origin_input_ids=PROMPTS[1],
-            sampling_params=SamplingParams(max_new_tokens=60),
-        )
-        sched.add_request(req)
+        req = _one_request(engine, max_new_tokens=60)
         sched.step()  # admission and prefill, one decode step
 
         def hold(budget):  # the plan held for the next steps
@@ -633,6 +623,17 @@ class TestBudgetsEndToEnd(CustomTestCase):
         )
         self.assertGreater(took, 0.3)
         self.assertLess(observed[3][1], 0.3)  # the step less its stash write
+
+
+def _one_request(engine, *, max_new_tokens: int) -> Req:
+    """PROMPTS[1] queued on ``engine``'s scheduler."""
+    req = Req(
+        rid=0,
+        origin_input_ids=PROMPTS[1],
+        sampling_params=SamplingParams(max_new_tokens=max_new_tokens),
+    )
+    engine.scheduler.add_request(req)
+    return req
 
 
 def _learned(planner) -> dict:
