@@ -124,6 +124,19 @@ class TestBenchOneBatch(CustomTestCase):
                 r["tokens_per_s_ratio"],
                 r["dspark_tokens_per_s"] / r["plain_tokens_per_s"],
             )
+            # The line's per-engine figures are the paired turns': their
+            # tokens/s ratio is the speedup, their step-time ratio the cost.
+            paired = {n: r[f"{n}_paired_tokens_per_s"] for n in ("plain", "dspark")}
+            self.assertAlmostEqual(paired["dspark"] / paired["plain"], r["speedup"])
+            self.assertAlmostEqual(
+                r["dspark_paired_mean_step_ms"] / r["plain_paired_mean_step_ms"],
+                r["step_cost_mean_ratio"],
+            )
+            self.assertIn(
+                f"plain {paired['plain']:7.1f} tok/s "
+                f"{r['plain_paired_mean_step_ms']:.3f} ms/step",
+                text,
+            )
             self.assertGreaterEqual(r["accept_length"], 1.0)
             self.assertLessEqual(r["accept_length"], 6.0)
         self.assertIn("bs=1 ", text)
