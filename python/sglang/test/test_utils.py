@@ -40,6 +40,16 @@ def cuda_available() -> bool:
 
 
 @contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    """The process's umask set to ``mask`` inside, restored after."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@contextlib.contextmanager
 def record_decode_batch_sizes(engine) -> Iterator[List[int]]:
     """Yield a list that fills with the batch size of every decode step."""
     sizes: List[int] = []

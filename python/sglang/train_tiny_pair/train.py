@@ -60,6 +60,7 @@ from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.registry import CHECKPOINT_DIR, init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
 from sglang.srt.utils.common import (
+    as_created,
     check_dir,
     check_seed,
     checked_num_threads,
@@ -203,6 +204,7 @@ def save_whole(obj, path: str) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
+        as_created(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -23,7 +23,7 @@ from sglang.srt.models.registry import init_random_weights
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
 from sglang.srt.utils.common import MAX_NUM_THREADS
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, umask
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
 from sglang.train_tiny_pair.train import (
     DRAFT_NAME,
@@ -339,8 +339,10 @@ class TestTrainTinyPair(CustomTestCase):
         with self.assertRaises(KeyboardInterrupt):
             save_whole({"seqs": torch.zeros(1 << 16), "later": Unpicklable()}, path)
         self.assertEqual(os.listdir(self.root), [])  # nor its temporary
-        save_whole({"seqs": torch.arange(5)}, path)
+        with umask(0o022):
+            save_whole({"seqs": torch.arange(5)}, path)
         self.assertTrue(torch.equal(torch.load(path)["seqs"], torch.arange(5)))
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o644)  # not mkstemp's 0600
 
     def test_bad_steps_are_rejected(self):
         a_file = os.path.join(self.root, "a_file")

@@ -26,7 +26,7 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.models.registry import get_hf_config, load_draft, load_target
 from sglang.srt.server_args import ServerArgs
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, umask
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
 
 register_cpu_ci(est_time=8, suite="base-a-test-cpu")
@@ -163,6 +163,23 @@ class TestCheckpointLoader(CustomTestCase):
         os.symlink(path, link)
         with self.assertRaisesRegex(ValueError, "is a symlink"):
             save_checkpoint(link, draft=self.draft)
+
+    def test_a_saved_folder_has_the_modes_made_in_place(self):
+        # Staged by tempfile (0700, 0600) and renamed in: the folder and its
+        # files end with the modes a plain makedirs and open give, as the
+        # shipped pair has them (others can read what one user trained).
+        for mask in (0o022, 0o077):
+            with self.subTest(umask=oct(mask)), umask(mask):
+                path = os.path.join(tempfile.mkdtemp(dir=self.root), "ck")
+                save_checkpoint(path, draft=self.draft)
+                modes = {
+                    name: os.stat(os.path.join(path, name)).st_mode & 0o777
+                    for name in ("", CONFIG_NAME, WEIGHTS_NAME)
+                }
+                want = 0o666 & ~mask
+                self.assertEqual(
+                    modes, {"": 0o777 & ~mask, CONFIG_NAME: want, WEIGHTS_NAME: want}
+                )
 
     def test_a_writer_moving_the_folder_between_the_checks_and_the_rename(self):
         # The interleavings the threads above hit now and then, made certain:

@@ -27,6 +27,7 @@ from torch import nn
 from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.models.dspark import DSparkDraftConfig, DSparkDraftModel
 from sglang.srt.models.tiny_moe import TinyMoEConfig, TinyMoEForCausalLM
+from sglang.srt.utils.common import as_created
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -428,6 +429,8 @@ def save_checkpoint(
         save_file(
             tensors, os.path.join(staging, WEIGHTS_NAME), metadata={"format": "pt"}
         )
+        for name in (CONFIG_NAME, WEIGHTS_NAME, ""):  # readable as made in place
+            as_created(os.path.join(staging, name))
         replace_dir(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

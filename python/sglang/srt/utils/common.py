@@ -1,5 +1,6 @@
 """Small checks shared by the argument and parameter validators, the
-command line tools' output folders, and their exit on Ctrl-C."""
+command line tools' output folders, their exit on Ctrl-C, and the mode of
+what they write whole then rename into place."""
 
 import math
 import numbers
@@ -51,6 +52,16 @@ def check_seed(parser, flag: str, seed: int) -> None:
     error (before any work: a bench's machine probes run first)."""
     if not 0 <= seed < SEED_BOUND:
         parser.error(f"{flag} must be in [0, 2**63), got {seed}")
+
+
+def as_created(path: str) -> None:
+    """Give a file or folder that ``tempfile`` made private (0600, 0700) the
+    mode a plain ``open`` or ``os.makedirs`` would have: 0666 or 0777 less
+    the umask. What is written beside its place and renamed in is then as
+    readable as what is written in place (by other users' ranks, say)."""
+    umask = os.umask(0)  # read by setting: there is no getter
+    os.umask(umask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
 
 
 def check_dir(parser, flag: str, path, *, make: bool = True) -> None:

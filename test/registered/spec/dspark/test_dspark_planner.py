@@ -33,7 +33,7 @@ from sglang.srt.speculative.dspark_components.dspark_planner import (
 from sglang.srt.utils.op_counter import OpCounter
 from sglang.srt.utils.phases import PhaseRecorder
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.test_utils import CustomTestCase
+from sglang.test.test_utils import CustomTestCase, umask
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -168,7 +168,8 @@ class TestCostTable(CustomTestCase):
                     other.save(path)
             self.assertEqual(VerifyCostTable.load(path), table)
             self.assertEqual(os.listdir(d), ["table.json"])
-            other.save(path)
+            with umask(0o022):
+                other.save(path)
             self.assertEqual(VerifyCostTable.load(path), other)
             self.assertEqual(os.stat(path).st_mode & 0o777, 0o644)  # not 0600
             with open(path, "w") as f:

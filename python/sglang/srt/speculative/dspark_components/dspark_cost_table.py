@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
-from sglang.srt.utils.common import is_finite
+from sglang.srt.utils.common import as_created, is_finite
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class VerifyCostTable:
         )
         try:
             # mkstemp's 0600 would keep the table from ranks run by others.
-            os.fchmod(fd, 0o644)
+            as_created(tmp)
             with os.fdopen(fd, "w") as f:
                 json.dump(
                     {
