@@ -422,6 +422,7 @@ class TestMemorySizing(CustomTestCase):
         fraction = 2e6 / available_memory_bytes(torch.device("cpu"))
         with self.assertRaisesRegex(ValueError, "weights alone exceed it"):
             ServerArgs(
+                device="cpu",  # the cap is a fraction of the device's memory
                 mem_fraction_static=fraction,
                 max_total_tokens=8,
                 max_running_requests=1,

@@ -76,6 +76,11 @@ class _PaddedChecks:
         for bs in (1, 3, 4):  # 3 and 4 run in the bucket of 8
             with self.subTest(algorithm=algorithm, bs=bs):
                 engines = self._engines(algorithm)
+                for pool in self._pools(engines[1]):
+                    # Written already (the capture's warm-up, DSpark's cost
+                    # table): cleared, so that the check below sees this call.
+                    pool.k[:, SCRATCH_SLOT] = 0
+                    pool.v[:, SCRATCH_SLOT] = 0
                 outs = [
                     e.generate(input_ids=PROMPTS[:bs], sampling_params=params)
                     for e in engines
@@ -179,31 +184,6 @@ class TestPaddedStepCUDA(_PaddedChecks, CustomTestCase):
                 steps = padded.scheduler.num_decode_steps - steps
                 self.assertGreater(steps, 0)
                 self.assertEqual(runner.replays - before, steps)
-
-
-@unittest.skipUnless(torch.cuda.device_count() >= 2, "needs two CUDA devices")
-class TestSecondDevice(CustomTestCase):
-    def test_an_engine_on_cuda_1_decodes_as_one_on_cuda_0(self):
-        # Streams, capture and synchronize act on the current device: an
-        # engine on another one must make it current, or its graphs capture
-        # nothing and its output read races the copy.
-        outs = {}
-        for device in ("cuda:0", "cuda:1", "cuda:0"):  # 0 again after 1
-            engine = Engine(
-                speculative_algorithm="DSPARK",
-                device=device,
-                random_seed=0,
-                max_running_requests=8,
-                cuda_graph_bs=[1, 2, 4],
-            )
-            before = engine.worker.graph_runner.replays
-            out = engine.generate(
-                input_ids=PROMPTS[:3], sampling_params={"max_new_tokens": 12}
-            )
-            self.assertGreater(engine.worker.graph_runner.replays, before)
-            outs.setdefault(device, []).append([o["output_ids"] for o in out])
-        self.assertEqual(outs["cuda:1"][0], outs["cuda:0"][0])
-        self.assertEqual(outs["cuda:0"][1], outs["cuda:0"][0])
 
 
 if __name__ == "__main__":

@@ -283,7 +283,8 @@ class TestDraftBlockProposer(CustomTestCase):
                 torch.testing.assert_close(
                     views.corrected[k, :bs], expected, rtol=0, atol=1e-5
                 )
-            counts.scatter_add_(1, drafts[:, k : k + 1], torch.ones(bs, 1))
+            ones = torch.ones(bs, 1, device=counts.device)
+            counts.scatter_add_(1, drafts[:, k : k + 1], ones)
         self.assertGreater(int(counts.sum()), bs * 2)  # the drafts were counted
 
     def _propose_processed(self, params):
