@@ -70,6 +70,7 @@ from sglang.srt.layers.moe.ep_moe import EPMoE
 from sglang.srt.layers.moe.token_dispatcher import DispatchStats
 from sglang.srt.layers.moe.topk import select_experts
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
+from sglang.srt.server_args import device_arg
 from sglang.srt.speculative.dspark_components import dspark_draft
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
 from sglang.srt.utils.common import (
@@ -258,7 +259,7 @@ class _Bench:
                     start = time.perf_counter()
                     finished = sched.step()
                     if self.is_cuda:
-                        torch.cuda.synchronize()
+                        torch.cuda.synchronize(self.engine.server_args.device)
                     elapsed = time.perf_counter() - start
                 if steady:
                     times.append(elapsed)
@@ -342,7 +343,7 @@ def scalar_cost_us(device: str, calls: int = 2000, rounds: int = 5) -> Dict:
             for _ in range(calls):
                 helper()
             if buf.is_cuda:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(buf.device)
             best[name] = min(best[name], (time.perf_counter() - start) / calls)
     return {name: 1e6 * t for name, t in best.items()}
 
@@ -798,7 +799,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--count-steps", type=int, default=4, help="steps counted per variant"
     )
-    p.add_argument("--device", default=None, help="default: cuda when present")
+    p.add_argument(
+        "--device", type=device_arg, default=None, help="default: cuda when present"
+    )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
         "--num-threads",

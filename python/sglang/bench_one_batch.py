@@ -79,6 +79,7 @@ from sglang.srt.distributed.parallel_state import check_ranks_agree, digest_of
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.schedule_batch import Req, SamplingParams
 from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.server_args import device_arg
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 from sglang.srt.utils.common import check_seed, interrupted
 from sglang.srt.utils.op_counter import OpCounter
@@ -598,7 +599,9 @@ def main(argv=None) -> int:
         "measured at start-up and saved there",
     )
     p.add_argument("--model-path", default=None, help="default: the embedded pair")
-    p.add_argument("--device", default=None, help="default: cuda when present")
+    p.add_argument(
+        "--device", type=device_arg, default=None, help="default: cuda when present"
+    )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -9,6 +9,7 @@ computed up front, and a configuration that needs more than
 rejected before any of it is allocated.
 """
 
+import argparse
 import itertools
 import numbers
 import os
@@ -76,7 +77,7 @@ def _checked_float(name: str, value, *, lo: float, hi: float, lo_open: bool) -> 
     return float(value)
 
 
-def _checked_device(value) -> str:
+def checked_device(value) -> str:
     """'cpu' or 'cuda[:N]' from a str or torch.device; CUDA must be present."""
     if value is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,6 +104,15 @@ def _checked_device(value) -> str:
                 f"device(s) exist"
             )
     return "cpu" if device.type == "cpu" else str(device)  # one CPU: no index
+
+
+def device_arg(text: str) -> str:
+    """A command line's ``--device``, as ``ServerArgs`` takes it: its name
+    (``cpu:0`` is ``cpu``), or the parser's error."""
+    try:
+        return checked_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _weights_bytes(target_config: TinyMoEConfig, draft_config) -> int:
@@ -181,7 +191,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         target_config = self._resolve_model()
         self._check_speculative()
-        self.device = _checked_device(self.device)
+        self.device = checked_device(self.device)
         self.random_seed = _checked_int(
             "random_seed", self.random_seed, lo=0, hi=SEED_BOUND, hi_text="2**63"
         )

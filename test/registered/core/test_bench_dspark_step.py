@@ -282,6 +282,19 @@ class TestBenchDSparkStepDpAttention(CustomTestCase):
                 bench_dspark_step.main(["--enable-dp-attention"])
         self.assertEqual(ctx.exception.code, 2)
 
+    def test_device_names_are_the_engines(self):
+        # cpu:0 is the CPU, where the gloo ranks run (it was refused as not
+        # "cpu"); a name torch does not take is the parser's error.
+        argv = ["--device", "cpu:0", "--ep-size", "2"]
+        with mock.patch.object(bench_dspark_step, "run", side_effect=ValueError) as run:
+            with contextlib.redirect_stderr(io.StringIO()):
+                self.assertEqual(bench_dspark_step.main(argv), 2)  # run's error
+        self.assertEqual(run.call_args.args[0].device, "cpu")
+        with contextlib.redirect_stderr(io.StringIO()):
+            with self.assertRaises(SystemExit) as ctx:
+                bench_dspark_step.main(["--device", "tpu"])
+        self.assertEqual(ctx.exception.code, 2)
+
 
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
 class TestBenchDSparkStepCUDA(CustomTestCase):

@@ -406,12 +406,26 @@ class TestBenchOneBatch(CustomTestCase):
             ["--json", "/proc/bench.json"],  # a folder that takes no new file
             ["--plot-dir", __file__],  # a file, not a folder
             ["--seed", "-1"],
+            ["--device", "tpu"],  # not a device name, as ServerArgs says
         ):
             with self.subTest(argv=argv):
                 with contextlib.redirect_stderr(io.StringIO()):
                     with self.assertRaises(SystemExit) as ctx:
                         bench_one_batch.main(argv)
                 self.assertEqual(ctx.exception.code, 2)
+
+    def test_device_names_are_the_engines(self):
+        # cpu:0 is the CPU (ServerArgs' rule): --phases runs there, where a
+        # comparison with "cpu" took it for CUDA and asked for
+        # --disable-cuda-graph.
+        argv = ["--device", "cpu:0", "--phases", "--batch-size", "1"]
+        argv += ["--temperature", "0", "--input-len", "4", "--output-len", "3"]
+        argv += ["--num-prompts", "1", "--repeats", "1"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc, _, rows = _main_json(argv)
+        self.assertEqual(rc, 0)
+        self.assertEqual(rows[0]["device"], "cpu")
+        self.assertIn("dspark_model_share", rows[0])
 
     def test_an_engine_refusal_is_an_error_not_a_traceback(self):
         err = io.StringIO()

@@ -379,7 +379,7 @@ class Scheduler:
             if batch.is_idle:
                 return []
             if batch.seq_lens.is_cuda:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(batch.seq_lens.device)
             self.num_decode_steps += 1
             if self._step_times:
                 seconds = time.perf_counter() - start

@@ -792,7 +792,7 @@ class DSparkWorkerV2:
             if drafted:
                 conf_host = self._host_confidence[: g * rows].view(g, rows)
                 conf_host.copy_(ran.confidence, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(v.packed.device).synchronize()  # its device's
             packed = host.tolist()
             accept_lens, verify_lens = [r[0] for r in packed], host[:, 1]
             drafts, bonus = [r[2:-1] for r in packed], [r[-1] for r in packed]
