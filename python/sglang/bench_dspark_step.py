@@ -259,7 +259,7 @@ class _Bench:
                     start = time.perf_counter()
                     finished = sched.step()
                     if self.is_cuda:
-                        torch.cuda.synchronize(self.engine.server_args.device)
+                        torch.cuda.synchronize(self.engine.generator.device)  # resolved
                     elapsed = time.perf_counter() - start
                 if steady:
                     times.append(elapsed)

@@ -19,9 +19,10 @@ the other's (docs/benchmarks.md has the comparison); a deployment runs one
 engine, warm.
 Printed per temperature and batch size: each engine's decode tokens/s and
 mean step time over the turns in which both engines decoded (the JSON also
-keeps them over all of an engine's steps, ``{name}_tokens_per_s``, which
-count the tail one engine runs alone, warm, once the other is done); the DSpark/plain step-cost ratio, the geometric mean of
-the turns' ratios of mean block step times, with its 95% confidence
+keeps them over all of an engine's steps, ``{name}_tokens_per_s`` and
+``{name}_mean_step_ms``, which count the tail one engine runs alone, warm,
+once the other is done); the DSpark/plain step-cost ratio, the geometric
+mean of the turns' ratios of mean block step times, with its 95% confidence
 interval (a t-interval on the log ratios); the speedup, DSpark's decode
 tokens per step over plain's divided by the ratio of their mean step times
 (what throughput follows: the ratio of their tokens/s), both over the turns

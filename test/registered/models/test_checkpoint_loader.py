@@ -3,6 +3,7 @@ trip gives identical logits; each malformed checkpoint is a ValueError naming
 the file and the field or tensor; directories drive the engine's draft-path
 defaulting like presets do."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from sglang.srt.model_loader.loader import (
 )
 from sglang.srt.models.registry import get_hf_config, load_draft, load_target
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import common
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase, umask
 from sglang.train_tiny_pair.forward import draft_block_logits, target_forward
@@ -168,10 +170,15 @@ class TestCheckpointLoader(CustomTestCase):
         # Staged by tempfile (0700, 0600) and renamed in: the folder and its
         # files end with the modes a plain makedirs and open give, as the
         # shipped pair has them (others can read what one user trained).
-        for mask in (0o022, 0o077):
-            with self.subTest(umask=oct(mask)), umask(mask):
+        # Without /proc (not Linux) the umask is read by setting it, and put
+        # back.
+        no_proc = mock.patch.object(common, "open", side_effect=OSError, create=True)
+        for mask, proc in ((0o022, True), (0o077, True), (0o027, False)):
+            with self.subTest(umask=oct(mask), proc=proc), umask(mask):
                 path = os.path.join(tempfile.mkdtemp(dir=self.root), "ck")
-                save_checkpoint(path, draft=self.draft)
+                with contextlib.nullcontext() if proc else no_proc:
+                    save_checkpoint(path, draft=self.draft)
+                self.assertEqual(os.umask(mask), mask)
                 modes = {
                     name: os.stat(os.path.join(path, name)).st_mode & 0o777
                     for name in ("", CONFIG_NAME, WEIGHTS_NAME)

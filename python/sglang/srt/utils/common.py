@@ -6,6 +6,7 @@ import math
 import numbers
 import os
 import sys
+import threading
 
 # A shell's exit code for a process ended by Ctrl-C: 128 + SIGINT.
 EXIT_INTERRUPTED = 130
@@ -59,9 +60,27 @@ def as_created(path: str) -> None:
     mode a plain ``open`` or ``os.makedirs`` would have: 0666 or 0777 less
     the umask. What is written beside its place and renamed in is then as
     readable as what is written in place (by other users' ranks, say)."""
-    umask = os.umask(0)  # read by setting: there is no getter
-    os.umask(umask)
-    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~_umask())
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it;
+    elsewhere by setting it, meanwhile to 0o077 (private), not 0: files
+    other threads make then are never more open than asked."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
 
 
 def check_dir(parser, flag: str, path, *, make: bool = True) -> None:
