@@ -259,7 +259,9 @@ class _Bench:
                     start = time.perf_counter()
                     finished = sched.step()
                     if self.is_cuda:
-                        torch.cuda.synchronize(self.engine.generator.device)  # resolved
+                        torch.cuda.synchronize(
+                            self.engine.generator.device
+                        )  # its device
                     elapsed = time.perf_counter() - start
                 if steady:
                     times.append(elapsed)
